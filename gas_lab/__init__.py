@@ -1,0 +1,5 @@
+"""gas_lab: gradient accumulation from one device to DDP to ZeRO-1, checked against DeepSpeed."""
+
+from gas_lab.cluster import RankError, RankStallError, start_cluster, stop_cluster
+
+__all__ = ["RankError", "RankStallError", "start_cluster", "stop_cluster"]

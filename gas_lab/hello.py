@@ -1,0 +1,68 @@
+"""Hello, ranks: the smallest distributed programs, used by tutorial 00 and its script.
+
+Each function runs *on every rank* (inside ``cluster.run`` in a notebook, or under
+``torchrun`` in ``tutorials/scripts/hello_ranks.py``) and expects the default process group
+to be initialized already.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def all_reduce_hello() -> dict:
+    """Every rank contributes ``rank + 1``; after ``all_reduce`` every rank holds the sum."""
+    mine = torch.tensor([dist.get_rank() + 1.0])
+    total = mine.clone()
+    dist.all_reduce(total)  # default op: SUM, result lands on every rank
+    return {"rank": dist.get_rank(), "sent": mine.item(), "received": total.item()}
+
+
+def tiny_model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)  # same seed on every rank -> same initial weights
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+
+
+def zero1_config(micro_batch: int = 4, gas: int = 2) -> dict:
+    """A ZeRO stage 1 DeepSpeed config small enough to train in a second on a CPU."""
+    return {
+        "train_micro_batch_size_per_gpu": micro_batch,
+        "gradient_accumulation_steps": gas,
+        # PyTorch's Adam instead of DeepSpeed's fused one, which would JIT-compile for minutes.
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}},
+        "zero_optimization": {"stage": 1},
+        "steps_per_print": 10**9,  # keep the notebook output for what we print ourselves
+    }
+
+
+def train_tiny_deepspeed(steps: int = 3, seed: int = 0, config: dict | None = None) -> dict:
+    """Train ``tiny_model`` with ``deepspeed.initialize`` for a few optimizer steps.
+
+    Each rank draws *different* data (seeded by rank), so the ranks only end with equal
+    parameters if DeepSpeed really averaged their gradients. Returns this rank's parameters
+    as one flat tensor, and the engine's counters.
+    """
+    import deepspeed
+
+    config = config or zero1_config()
+    model = tiny_model(seed)
+    engine, *_ = deepspeed.initialize(
+        model=model, model_parameters=model.parameters(), config=config
+    )
+    gen = torch.Generator().manual_seed(1000 + dist.get_rank())
+    micro = engine.train_micro_batch_size_per_gpu()
+    for _ in range(steps * engine.gradient_accumulation_steps()):
+        x = torch.randn(micro, 8, generator=gen)
+        loss = (engine(x) - x.sum(dim=1, keepdim=True)).pow(2).mean()
+        engine.backward(loss)
+        engine.step()  # applies an update only on the accumulation boundary
+    flat = torch.cat([p.detach().flatten() for p in engine.module.parameters()])
+    return {
+        "rank": dist.get_rank(),
+        "params": flat,
+        "global_steps": engine.global_steps,
+        "global_samples": engine.global_samples,
+        "micro_steps": engine.micro_steps,
+        "loss": loss.item(),
+    }

@@ -1,0 +1,149 @@
+"""The notebook runtime: results, rank errors, stalls, idempotent start, no leaked processes."""
+
+import os
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+import gas_lab
+from gas_lab.cluster import RankError, RankStallError
+
+pytestmark = pytest.mark.ranks
+
+
+def _env_and_allreduce(offset):
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([float(dist.get_rank() + offset)])
+    dist.all_reduce(t)
+    keys = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"]
+    return {k: os.environ[k] for k in keys} | {"sum": t.item(), "pid": os.getpid()}
+
+
+def test_run_returns_per_rank_results_and_a_torchrun_environment(cluster):
+    results = cluster.run(_env_and_allreduce, 10)
+    assert [r["RANK"] for r in results] == ["0", "1"]
+    assert [r["LOCAL_RANK"] for r in results] == ["0", "1"]
+    assert {r["WORLD_SIZE"] for r in results} == {"2"} == {r["LOCAL_WORLD_SIZE"] for r in results}
+    assert {r["MASTER_ADDR"] for r in results} == {"127.0.0.1"}
+    assert len({r["MASTER_PORT"] for r in results}) == 1
+    assert [r["sum"] for r in results] == [21.0, 21.0]  # (0 + 10) + (1 + 10) on every rank
+    assert [r["pid"] for r in results] == cluster.pids
+
+
+def test_start_is_idempotent(cluster):
+    again = gas_lab.start_cluster()
+    assert again is cluster and again.pids == cluster.pids
+
+
+def _fail_on_rank_one():
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        raise ValueError("rank one is unhappy")
+    return dist.get_rank()
+
+
+def test_an_exception_names_the_rank_and_shows_its_traceback(cluster):
+    with pytest.raises(RankError) as info:
+        cluster.run(_fail_on_rank_one)
+    msg = str(info.value)
+    assert "rank 1 raised ValueError: rank one is unhappy" in msg
+    assert "_fail_on_rank_one" in msg and 'raise ValueError("rank one is unhappy")' in msg
+    assert info.value.stalled == []  # rank 0 finished, so no restart was needed
+    assert cluster.run(_env_and_allreduce, 0)[0]["sum"] == 1.0  # ranks still usable
+
+
+def _fail_before_collective():
+    import torch
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        raise RuntimeError("died before the all_reduce")
+    dist.all_reduce(torch.ones(1))  # rank 0 waits here for a partner that never comes
+
+
+def test_a_failed_rank_does_not_leave_the_others_hanging(cluster):
+    old = list(cluster.pids)
+    t0 = time.monotonic()
+    with pytest.raises(RankError) as info:
+        cluster.run(_fail_before_collective, timeout=60)
+    elapsed = time.monotonic() - t0
+    assert "rank 1 raised RuntimeError: died before the all_reduce" in str(info.value)
+    assert info.value.stalled == [0] and "restarted" in str(info.value)
+    assert elapsed < 45, f"took {elapsed:.1f} s: the error should not wait for the full timeout"
+    assert not any(psutil.pid_exists(p) for p in old)
+    assert cluster.run(_env_and_allreduce, 0)[1]["sum"] == 1.0
+
+
+def _stall_on_rank_zero():
+    import torch
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        dist.all_reduce(torch.ones(1))
+    return "done"
+
+
+def test_a_stall_ends_within_the_timeout_and_names_the_stalled_rank(cluster):
+    old = list(cluster.pids)
+    t0 = time.monotonic()
+    with pytest.raises(RankStallError) as info:
+        cluster.run(_stall_on_rank_zero, timeout=3)
+    waited = time.monotonic() - t0
+    assert info.value.stalled == [0] and info.value.finished == [1]
+    assert "ranks [0] stalled" in str(info.value)
+    assert waited < 3 + 40  # the timeout, plus killing and restarting the ranks
+    assert not any(psutil.pid_exists(p) for p in old)
+    assert cluster.running and cluster.run(_env_and_allreduce, 1)[0]["sum"] == 3.0
+
+
+def test_cells_keep_state_on_each_rank(cluster, capsys):
+    cluster.execute("import torch.distributed as dist\nmine = 100 + dist.get_rank()\nprint(mine)")
+    assert cluster.pull("mine") == [100, 101]
+    out = capsys.readouterr().out
+    assert "[rank 0] 100" in out and "[rank 1] 101" in out
+    with pytest.raises(RankError) as info:
+        cluster.execute("x = 1\nraise KeyError('missing')")
+    assert "raise KeyError('missing')" in str(info.value)  # the cell's own line, not ours
+
+
+def test_everything_listens_on_loopback_only(cluster):
+    procs = psutil.Process().children(recursive=True)
+    listening = [c.laddr.ip for p in procs for c in p.net_connections() if c.status == "LISTEN"]
+    assert listening, "expected the controller and gloo to listen somewhere"
+    assert set(listening) == {"127.0.0.1"}
+
+
+_CHILD = """
+import gas_lab, json, sys
+c = gas_lab.start_cluster(world_size=2)
+c2 = gas_lab.start_cluster(world_size=2, restart=True)
+print(json.dumps(c2.pids)); sys.stdout.flush()
+{end}
+"""
+
+
+@pytest.mark.parametrize("end", ["gas_lab.stop_cluster()", "pass  # interpreter exit"])
+def test_no_process_survives_stop_or_exit(end):
+    """Restart, stop and a plain interpreter exit (what a kernel shutdown is) leave nothing."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _CHILD.format(end=end)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=os.environ | {"PYTHONUNBUFFERED": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr
+    pids = [int(p) for p in proc.stdout.strip().splitlines()[-1].strip("[]").split(",")]
+    deadline = time.monotonic() + 15
+    while any(psutil.pid_exists(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    leaked = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
+    assert leaked == []
