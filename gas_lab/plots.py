@@ -1,0 +1,96 @@
+"""Matplotlib figures for the lessons.
+
+Every function takes plain numbers (lists, dicts of lists), draws on ``ax`` if given or on a
+new figure, and returns the figure, so a notebook cell shows it and a test can inspect it.
+Errors go on a log axis; an exact zero is drawn at ``floor`` so it stays visible.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import matplotlib.pyplot as plt
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
+
+#: One colour per normalization, so every lesson draws them the same way.
+COLOURS = {
+    "mean_of_means": "crimson",
+    "per_sample": "darkorange",
+    "per_token": "seagreen",
+    "sum_of_means": "purple",
+}
+
+
+def _axes(ax: Axes | None, figsize: tuple[float, float] = (6.0, 3.5)) -> tuple[Figure, Axes]:
+    if ax is not None:
+        return ax.figure, ax
+    fig, ax = plt.subplots(figsize=figsize)
+    return fig, ax
+
+
+def plot_errors(
+    xs: Sequence[float],
+    errors: Mapping[str, Sequence[float]],
+    xlabel: str,
+    *,
+    ylabel: str = "max rel. error vs reference",
+    ax: Axes | None = None,
+    title: str | None = None,
+    highlight: str | None = None,
+    floor: float = 1e-9,
+) -> Figure:
+    """One line per series of errors against ``xs``, on a log y axis.
+
+    ``highlight`` draws that series thick and the others faint (the explorer uses this).
+    """
+    fig, ax = _axes(ax)
+    for name, ys in errors.items():
+        faint = highlight is not None and name != highlight
+        ax.plot(
+            xs,
+            [max(y, floor) for y in ys],
+            marker="o",
+            label=name,
+            color=COLOURS.get(name),
+            alpha=0.3 if faint else 1.0,
+            linewidth=1.0 if faint else 2.5 if highlight else 1.5,
+        )
+    ax.set_yscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.axhline(1e-5, color="grey", linestyle=":", linewidth=1, label="float32 noise below")
+    ax.legend(fontsize="small")
+    if title:
+        ax.set_title(title)
+    fig.tight_layout()
+    return fig
+
+
+def plot_error_vs_n(
+    ns: Sequence[int], errors: Mapping[str, Sequence[float]], **kwargs: object
+) -> Figure:
+    """Error of each normalization against the reference, as the number N of micro-batches grows."""
+    return plot_errors(ns, errors, "N (micro-batches per step)", **kwargs)  # type: ignore[arg-type]
+
+
+def plot_loss_curves(
+    curves: Mapping[str, Sequence[float]],
+    *,
+    ax: Axes | None = None,
+    title: str | None = None,
+    logy: bool = True,
+) -> Figure:
+    """Training loss per optimizer step, one line per run."""
+    fig, ax = _axes(ax)
+    for name, losses in curves.items():
+        ax.plot(range(len(losses)), losses, label=name)
+    if logy:
+        ax.set_yscale("log")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("full-batch loss")
+    ax.legend(fontsize="small")
+    if title:
+        ax.set_title(title)
+    fig.tight_layout()
+    return fig
