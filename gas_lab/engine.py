@@ -1,0 +1,242 @@
+"""The gas_lab engine: DeepSpeed's training-loop API, small enough to read.
+
+A loop written for ``deepspeed.initialize`` runs unchanged on :func:`initialize`::
+
+    engine, optimizer, _, _ = initialize(model=model, model_parameters=model.parameters(),
+                                         config=cfg)
+    loss = loss_fn(engine(x), y)
+    engine.backward(loss)   # accumulate (and, at a managed boundary, all-reduce)
+    engine.step()           # update, or only count the micro-step
+
+Two ways to find the accumulation boundary (the micro-batch after which ranks reduce their
+gradients and the optimizer updates the weights):
+
+* **managed** (default): the engine counts micro-steps. The boundary is the micro-batch with
+  ``(micro_steps + 1) % gradient_accumulation_steps == 0``; its ``backward()`` all-reduces and
+  the following ``step()`` updates. Every other ``step()`` only advances ``micro_steps``.
+* **unmanaged** (``"managed_gradient_accumulation": false``): the caller decides. ``backward()``
+  only accumulates locally, and *every* ``step()`` is a boundary: all-reduce, then one update,
+  however many micro-batches ran since the last one (that number may change every step).
+
+The "reduce, then update" part is delegated to a small strategy object, so that ZeRO-1
+(``gas_lab/zero1.py``) can replace it without touching the counting logic here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+from gas_lab import rules
+from gas_lab.config import GasConfig, load_config
+from gas_lab.dp import AllReduceUpdate
+from gas_lab.rules import NotImplementedInGasLab, Situation
+
+
+class UpdateStrategy(Protocol):
+    """What the engine needs from a "reduce gradients, then update" implementation.
+
+    Built as ``Strategy(params, optimizer, group, config)``; ``params`` are the module's
+    parameters, ``group`` the data-parallel process group (None: a single process). Stage 0
+    is ``gas_lab.dp.AllReduceUpdate``; stage 1 will be ``gas_lab.zero1.ShardedUpdate``.
+    """
+
+    optimizer: torch.optim.Optimizer
+
+    def reduce_gradients(self) -> None:
+        """Make every rank hold the gradient averaged over ranks (called at the boundary)."""
+
+    def update(self) -> bool:
+        """Clip, step the optimizer, clear the gradients; return whether weights changed."""
+
+
+class Engine(torch.nn.Module):
+    """Wraps a module; counts micro-steps; reduces and updates at accumulation boundaries."""
+
+    def __init__(self, module, optimizer, config: GasConfig, group, strategy_cls):
+        super().__init__()
+        self.module = module
+        self._config = config
+        self.group = group
+        self.global_steps = 0  # optimizer updates so far
+        self.global_samples = 0  # samples (all ranks) consumed by those updates
+        self.micro_steps = 0  # step() calls so far, boundary or not
+        self.skipped_steps = 0  # always 0 in fp32 (no overflow to skip)
+        self.inside_no_sync_ctxt = False
+        self._unmanaged_backward_count = 0  # backward() calls since the last step()
+        self._boundary_override = None  # set_gradient_accumulation_boundary() (managed only)
+        self._inside_step = False  # unmanaged: the boundary is "inside step()"
+        self._step_applied = False
+        self._broadcast_parameters()
+        self._update = strategy_cls(list(module.parameters()), optimizer, group, config)
+        self.optimizer = self._update.optimizer
+
+    def _broadcast_parameters(self):
+        # Ranks may have initialized differently; rank 0's weights win, one broadcast per tensor.
+        if self.group is None:
+            return
+        src = dist.get_global_rank(self.group, 0)
+        for p in self.module.parameters():
+            dist.broadcast(p.data, src=src, group=self.group)
+
+    # -- the training loop ---------------------------------------------------------------------
+    def forward(self, *inputs, **kwargs):
+        return self.module(*inputs, **kwargs)
+
+    def backward(self, loss, retain_graph=False, scale_wrt_gas=True):
+        """Accumulate gradients of ``loss`` (divided by GAS unless scale_wrt_gas is False)."""
+        if not (torch.is_tensor(loss) and loss.numel() == 1):
+            raise ValueError("engine.backward() expects a scalar loss tensor")
+        if not self.managed_gradient_accumulation():
+            self._unmanaged_backward_count += 1  # global_samples counts what really ran
+        if scale_wrt_gas:
+            # Gradients add up over micro-batches; dividing each loss by GAS turns the sum of
+            # GAS micro-batch means into the mean over the whole batch.
+            loss = loss / self.gradient_accumulation_steps()
+        loss.backward(retain_graph=retain_graph)
+        # Managed: the boundary micro-batch reduces right away. Unmanaged, this is never the
+        # boundary (only step() is), so gradients stay local until step().
+        if self.is_gradient_accumulation_boundary() and not self.inside_no_sync_ctxt:
+            self._update.reduce_gradients()
+        return loss
+
+    def step(self, lr_kwargs=None):
+        """Managed: update only at the boundary. Unmanaged: reduce, then update, every call."""
+        rules.enforce(self._situation("step"), "call")
+        self._step_applied = False
+        self._inside_step = True
+        try:
+            if not self.managed_gradient_accumulation():
+                self._update.reduce_gradients()
+            if self.is_gradient_accumulation_boundary():
+                self._take_model_step()
+        finally:
+            self._inside_step = False
+        self.micro_steps += 1  # counts every step() call, boundary or not, as DeepSpeed does
+
+    def _take_model_step(self):
+        self._step_applied = self._update.update()
+        self.global_steps += 1
+        if self.managed_gradient_accumulation():
+            self.global_samples += self.train_batch_size()
+        else:
+            # The caller chose how many micro-batches went into this update.
+            self.global_samples += (
+                self._config.samples_per_micro_batch * self._unmanaged_backward_count
+            )
+            self._unmanaged_backward_count = 0
+
+    # -- the boundary ----------------------------------------------------------------------------
+    def is_gradient_accumulation_boundary(self) -> bool:
+        if self._boundary_override is not None:
+            return self._boundary_override
+        if not self.managed_gradient_accumulation():
+            return self._inside_step
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """Managed only: override the counter (it stays overridden until set again)."""
+        rules.enforce(self._situation("set_gradient_accumulation_boundary"), "call")
+        self._boundary_override = is_boundary
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Skip the boundary all-reduce in backward() (gradients stay local) inside the block."""
+        rules.enforce(self._situation("no_sync"), "context")
+        self.inside_no_sync_ctxt = True
+        try:
+            yield
+        finally:
+            self.inside_no_sync_ctxt = False
+
+    @contextlib.contextmanager
+    def coalesce_grad_reduction(self):
+        """DeepSpeed's ZeRO-only variant of no_sync; every case is refused in gas_lab."""
+        rules.enforce(self._situation("coalesce_grad_reduction"), "call")
+        yield  # pragma: no cover - unreachable while every stage is refused above
+
+    def _situation(self, action: str) -> Situation:
+        return Situation(self._config, action, inside_no_sync=self.inside_no_sync_ctxt)
+
+    # -- read-only facts, named as in DeepSpeed --------------------------------------------------
+    def was_step_applied(self) -> bool:
+        return self._step_applied
+
+    def managed_gradient_accumulation(self) -> bool:
+        return self._config.managed_gradient_accumulation
+
+    def gradient_accumulation_steps(self) -> int:
+        return self._config.gradient_accumulation_steps
+
+    def train_batch_size(self) -> int:
+        return self._config.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self._config.train_micro_batch_size_per_gpu
+
+    def gradient_clipping(self) -> float:
+        return self._config.gradient_clipping
+
+    def zero_optimization_stage(self) -> int:
+        return self._config.zero_optimization.stage
+
+    def get_lr(self) -> list[float]:
+        return [group["lr"] for group in self.optimizer.param_groups]
+
+    def zero_grad(self) -> None:
+        for p in self.module.parameters():
+            p.grad = None
+
+
+def initialize(
+    args=None, model=None, optimizer=None, model_parameters=None, config=None, group=None, **more
+):
+    """gas_lab's ``deepspeed.initialize``: returns ``(engine, optimizer, None, None)``.
+
+    The process group is ``group`` if given, else the default one if it exists, else one
+    started from RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT as DeepSpeed would, else none (world
+    size 1). DeepSpeed's other arguments (args, training_data, lr_scheduler, ...) are refused
+    rather than silently ignored.
+    """
+    unsupported = sorted(k for k, v in {"args": args, **more}.items() if v is not None)
+    if unsupported:
+        raise NotImplementedInGasLab(f"initialize(): gas_lab does not take {unsupported}")
+    group = group if group is not None else _default_group()
+    world_size = dist.get_world_size(group) if group is not None else 1
+    cfg = load_config(config if config is not None else {}, world_size=world_size)
+    pipeline = any(c.__name__ == "PipelineModule" for c in type(model).__mro__)
+    rules.enforce(Situation(cfg, pipeline=pipeline), "initialize")
+    if optimizer is None:  # as in DeepSpeed, a client optimizer wins over the config's
+        if cfg.optimizer is None:
+            raise NotImplementedInGasLab(
+                "gas_lab engines train: give config['optimizer'] or optimizer=..."
+            )
+        params = model_parameters if model_parameters is not None else model.parameters()
+        optimizer = cfg.optimizer.torch_optimizer(params)
+    engine = Engine(model, optimizer, cfg, group, _strategy_for(cfg.zero_optimization.stage))
+    return engine, engine.optimizer, None, None
+
+
+def _strategy_for(stage: int):
+    if stage == 0:
+        return AllReduceUpdate
+    try:
+        from gas_lab.zero1 import ShardedUpdate
+    except ModuleNotFoundError as err:
+        if err.name != "gas_lab.zero1":
+            raise
+        raise NotImplementedInGasLab("ZeRO stage 1 arrives with gas_lab/zero1.py") from None
+    return ShardedUpdate
+
+
+def _default_group():
+    if dist.is_available() and dist.is_initialized():
+        return dist.group.WORLD
+    if {"RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"} <= os.environ.keys():
+        dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
+        return dist.group.WORLD
+    return None

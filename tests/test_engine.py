@@ -1,0 +1,200 @@
+"""gas_lab.engine on one process: counters, boundary, refusals, and a plain-torch reference.
+
+The 2-rank comparison against DeepSpeed itself is in test_parity.py.
+"""
+
+import importlib.util
+
+import pytest
+import torch
+
+from gas_lab.engine import initialize
+from gas_lab.parity import micro_batch, tiny_model
+from gas_lab.rules import NotImplementedInGasLab, RejectedCombination
+
+
+@pytest.fixture(autouse=True)
+def single_process(monkeypatch):
+    # No launcher variables: the engine must fall back to world size 1 without a group.
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+
+
+def make(gas=3, managed=True, optimizer=None, **extra):
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": gas,
+        "managed_gradient_accumulation": managed,
+        "optimizer": optimizer or {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}},
+        **extra,
+    }
+    model = tiny_model(0)
+    engine, opt, _, _ = initialize(model=model, model_parameters=model.parameters(), config=config)
+    return engine, opt
+
+
+def fwd_bwd(engine, step, micro, scale=True):
+    x, y = micro_batch(0, step, micro, 0, engine.train_micro_batch_size_per_gpu())
+    return engine.backward(torch.nn.functional.mse_loss(engine(x), y), scale_wrt_gas=scale)
+
+
+def test_initialize_returns_deepspeed_shape():
+    engine, opt = make()
+    assert isinstance(opt, torch.optim.AdamW)  # "Adam" means AdamW, as in DeepSpeed
+    assert engine.optimizer is opt and isinstance(engine.module, torch.nn.Sequential)
+    assert (engine.global_steps, engine.global_samples, engine.micro_steps) == (0, 0, 0)
+    assert engine.train_batch_size() == 2 * 3 and engine.gradient_clipping() == 1.0
+
+
+@pytest.mark.parametrize("gas", [1, 2, 3])
+def test_managed_counters(gas):
+    engine, _ = make(gas=gas)
+    before = [p.detach().clone() for p in engine.module.parameters()]
+    for k in range(1, 3 * gas + 2):
+        # The boundary is decided by the counter *before* step() increments it.
+        assert engine.is_gradient_accumulation_boundary() == (k % gas == 0)
+        fwd_bwd(engine, 0, k)
+        engine.step()
+        assert engine.micro_steps == k
+        assert engine.was_step_applied() == (k % gas == 0)
+        assert engine.global_steps == k // gas
+        assert engine.global_samples == (k // gas) * engine.train_batch_size()
+    after = list(engine.module.parameters())
+    assert any((a - b).abs().max() > 0 for a, b in zip(after, before, strict=True))
+
+
+def test_unmanaged_counters_follow_the_micro_batches_actually_run():
+    engine, _ = make(gas=3, managed=False)
+    per_micro = engine.train_batch_size() // engine.gradient_accumulation_steps()
+    samples = 0
+    for step, n in enumerate([1, 4, 0, 2]):
+        for micro in range(n):
+            assert not engine.is_gradient_accumulation_boundary()  # only step() is one
+            fwd_bwd(engine, step, micro)
+        engine.step()
+        samples += n * per_micro
+        assert engine.was_step_applied()
+        assert (engine.global_steps, engine.micro_steps) == (step + 1, step + 1)
+        assert engine.global_samples == samples
+
+
+def reference(optimizer_cls, lr, steps, n_per_step, gas, scale, clip):
+    """Plain torch: accumulate, clip with torch's own clip_grad_norm_, step."""
+    model = tiny_model(0)
+    opt = optimizer_cls(model.parameters(), lr=lr)
+    for step, n in enumerate(n_per_step[:steps]):
+        for micro in range(n):
+            x, y = micro_batch(0, step, micro, 0, 2)
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            (loss / gas if scale else loss).backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return list(model.parameters())
+
+
+@pytest.mark.parametrize("managed", [True, False])
+@pytest.mark.parametrize(
+    "opt_name, opt_cls", [("SGD", torch.optim.SGD), ("AdamW", torch.optim.AdamW)]
+)
+@pytest.mark.parametrize("clip, scale", [(1.0, True), (0.0, False), (0.05, True)])
+def test_matches_plain_torch(managed, opt_name, opt_cls, clip, scale):
+    gas, steps = 3, 3
+    n_per_step = [gas] * steps if managed else [2, 5, 1]
+    engine, _ = make(
+        gas=gas,
+        managed=managed,
+        optimizer={"type": opt_name, "params": {"lr": 0.05}},
+        gradient_clipping=clip,
+    )
+    for step, n in enumerate(n_per_step):
+        for micro in range(n):
+            fwd_bwd(engine, step, micro, scale)
+            if managed:
+                engine.step()
+        if not managed:
+            engine.step()
+    expected = reference(opt_cls, 0.05, steps, n_per_step, gas, scale, clip)
+    for ours, ref in zip(engine.module.parameters(), expected, strict=True):
+        assert (ours - ref).abs().max().item() <= 1e-6
+
+
+def test_backward_returns_the_scaled_loss():
+    engine, _ = make(gas=4)
+    x, y = micro_batch(0, 0, 0, 0, 2)
+    loss = torch.nn.functional.mse_loss(engine(x), y)
+    assert torch.allclose(engine.backward(loss.detach().requires_grad_()), loss / 4)
+
+
+def test_set_boundary_overrides_the_counter_when_managed():
+    engine, _ = make(gas=3)
+    engine.set_gradient_accumulation_boundary(True)
+    for k in range(2):
+        fwd_bwd(engine, 0, k)
+        engine.step()
+        assert engine.was_step_applied() and engine.global_steps == k + 1
+    engine.set_gradient_accumulation_boundary(False)
+    for k in range(4):
+        fwd_bwd(engine, 1, k)
+        engine.step()
+    assert engine.global_steps == 2  # stays overridden until set again
+
+
+def test_unmanaged_refuses_set_boundary_and_coalesce():
+    engine, _ = make(managed=False)
+    with pytest.raises(RejectedCombination, match="set_gradient_accumulation_boundary"):
+        engine.set_gradient_accumulation_boundary(True)
+    with pytest.raises(RejectedCombination, match="coalesce_grad_reduction"):
+        with engine.coalesce_grad_reduction():
+            pass
+
+
+@pytest.mark.parametrize("managed", [True, False])
+def test_step_inside_no_sync_is_refused(managed):
+    engine, _ = make(managed=managed)
+    with engine.no_sync():
+        fwd_bwd(engine, 0, 0)
+        with pytest.raises(RejectedCombination, match="no_sync"):
+            engine.step()
+        with pytest.raises(RejectedCombination, match="reentry|inner"):
+            with engine.no_sync():
+                pass
+    assert not engine.inside_no_sync_ctxt
+    engine.step()  # fine once outside
+
+
+def test_coalesce_at_stage_0_is_refused_like_deepspeed():
+    engine, _ = make()
+    with pytest.raises(RejectedCombination, match="stage 1/2/3"):
+        with engine.coalesce_grad_reduction():
+            pass
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("gas_lab.zero1") is not None, reason="gas_lab.zero1 exists"
+)
+def test_stage_1_waits_for_zero1():
+    with pytest.raises(NotImplementedInGasLab, match="zero1"):
+        make(zero_optimization={"stage": 1})
+
+
+def test_pipeline_models_are_refused_or_out_of_scope():
+    class PipelineModule(torch.nn.Sequential):  # detected by name, like DeepSpeed's class
+        pass
+
+    model = PipelineModule(torch.nn.Linear(2, 2))
+    base = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {}}}
+    with pytest.raises(RejectedCombination, match="pipeline"):
+        initialize(model=model, config={**base, "managed_gradient_accumulation": False})
+    with pytest.raises(NotImplementedInGasLab, match="Pipeline"):
+        initialize(model=model, config=base)
+
+
+def test_unsupported_deepspeed_arguments_are_refused_not_ignored():
+    model = tiny_model(0)
+    config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {}}}
+    with pytest.raises(NotImplementedInGasLab, match="lr_scheduler"):
+        initialize(model=model, config=config, lr_scheduler=object())
+    engine, _, loader, scheduler = initialize(model=model, config=config, training_data=None)
+    assert loader is None and scheduler is None
