@@ -111,6 +111,8 @@ def _ship_module_by_value(fn) -> None:
 
     import cloudpickle
 
+    if not callable(fn):
+        return
     mod = sys.modules.get(getattr(fn, "__module__", None) or "")
     path = getattr(mod, "__file__", None)
     if mod is None or path is None or mod.__name__ == "__main__":
@@ -151,13 +153,13 @@ class Cluster:
         self._ipp = ipp.Cluster(
             n=self.world_size,
             controller_ip="127.0.0.1",
-            log_level=logging.WARNING,
+            log_level=logging.ERROR,  # engines exit non-zero when stopped; that is not news
             cluster_id=f"gas_lab-{os.getpid()}-{self.master_port}",
         )
         self._ipp.start_controller_sync()
         self._ipp.start_engines_sync(self.world_size, environment=env)
         self._client = self._ipp.connect_client_sync()
-        self._client.wait_for_engines(self.world_size, timeout=120)
+        self._client.wait_for_engines(self.world_size, timeout=120, interactive=False)
         self._engines = sorted(self._client.ids)[: self.world_size]  # rank r -> engine id
         self._client[self._engines].use_cloudpickle()  # ship functions defined in the notebook
         store = os.path.join(self._tmp, "store")
@@ -231,7 +233,8 @@ class Cluster:
         return [self._view(r).pull(name, block=True) for r in self.ranks]
 
     def _submit(self, fn, *args, **kwargs) -> list:
-        _ship_module_by_value(fn)
+        for obj in (fn, *args, *kwargs.values()):
+            _ship_module_by_value(obj)
         source = _source_of(fn)
         return [
             self._view(r).apply_async(call_on_rank, fn, args, kwargs, source) for r in self.ranks

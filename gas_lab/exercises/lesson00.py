@@ -1,0 +1,58 @@
+"""Checker for lesson 00's exercise: a mean across ranks with ``torch.distributed``."""
+
+from __future__ import annotations
+
+from gas_lab.exercises.verdict import Verdict, check_cases
+
+
+def _call_on_ranks(fn, values):
+    """Runs on each rank: give the learner's function this rank's tensor."""
+    import torch
+    import torch.distributed as dist
+
+    x = torch.tensor(values[dist.get_rank()], dtype=torch.float32)
+    try:
+        out = fn(x.clone())
+    except NotImplementedError:
+        return "todo"  # reported by the checker, not raised, like every other exercise
+    return None if out is None else torch.as_tensor(out).tolist()
+
+
+def check_mean_across_ranks(fn, cluster) -> Verdict:
+    """Run ``fn`` on every rank with a different tensor per rank; expect the mean on all."""
+    w = cluster.world_size
+    cases = {
+        "one number per rank": [[float(r + 1)] for r in range(w)],
+        "a vector per rank": [[float(r), 10.0 * r, -1.0] for r in range(w)],
+    }
+
+    def run(values):
+        def on_ranks():
+            results = cluster.run(_call_on_ranks, fn, values)
+            if "todo" in results:
+                raise NotImplementedError
+            return results
+
+        return on_ranks
+
+    def judge(values):
+        expected = [sum(col) / w for col in zip(*values, strict=True)]
+
+        def problem(results):
+            for rank, got in enumerate(results):
+                if got is None:
+                    return f"rank {rank} returned None; return the averaged tensor."
+                if any(abs(a - b) > 1e-6 for a, b in zip(got, expected, strict=True)):
+                    total = [sum(col) for col in zip(*values, strict=True)]
+                    why = " (that is the sum: divide by the world size)" if got == total else ""
+                    return f"rank {rank} returned {got}, expected {expected}{why}."
+            return None
+
+        return problem
+
+    return check_cases(
+        "mean across ranks",
+        [(name, run(v), judge(v)) for name, v in cases.items()],
+        hint="all_reduce sums into the tensor in place on every rank; the mean divides that "
+        "sum by dist.get_world_size().",
+    )
