@@ -6,10 +6,14 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
-# DeepSpeed without a GPU: CPU accelerator, and its ops JIT-build into this cache.
+PYTEST := $(BIN)/python -m pytest -p no:cacheprovider
+# Executed copies of the notebooks: nbmake writes them, the docs site renders them (no
+# second execution), and instructors can read them.
+EXECUTED := build/notebooks
+# DeepSpeed without a GPU uses its CPU accelerator.
 export DS_ACCELERATOR ?= cpu
 
-.PHONY: install lab test unit notebooks lint course clean
+.PHONY: install lab test unit notebooks lint course docs clean
 
 install: $(STAMP)
 
@@ -17,28 +21,37 @@ $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	# constraints.txt pins the CPU build of torch here, so no multi-GB CUDA wheel is pulled.
-	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev]'
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev,docs]'
 	touch $(STAMP)
 
 lab: $(STAMP)  ## the course: JupyterLab on tutorials/
 	$(BIN)/jupyter lab --ip 127.0.0.1 --notebook-dir tutorials
 
-test: $(STAMP)  ## every test: unit + 2-rank tests, every notebook under nbmake, ruff
-	$(BIN)/ruff check .
-	$(BIN)/ruff format --check .
-	$(BIN)/python -m pytest tests tutorials --nbmake --nbmake-timeout=600 -p no:cacheprovider
+test: lint $(STAMP)  ## every test: unit + 2-rank, every notebook (nbmake), ruff, the docs site
+	rm -rf $(EXECUTED) && mkdir -p $(EXECUTED) && cp -r tutorials/. $(EXECUTED)/
+	$(PYTEST) -m "not docs" tests $(EXECUTED) --nbmake --nbmake-timeout=600 --overwrite
+	$(MAKE) --no-print-directory docs
+	$(PYTEST) -m docs tests/test_docs_site.py
 
 unit: $(STAMP)
-	$(BIN)/python -m pytest tests -p no:cacheprovider
+	$(PYTEST) -m "not docs" tests
 
-notebooks: $(STAMP)
-	$(BIN)/python -m pytest tutorials --nbmake --nbmake-timeout=600 -p no:cacheprovider
+notebooks: $(STAMP)  ## execute every notebook under nbmake, keeping the executed copies
+	rm -rf $(EXECUTED) && mkdir -p $(EXECUTED) && cp -r tutorials/. $(EXECUTED)/
+	$(PYTEST) $(EXECUTED) --nbmake --nbmake-timeout=600 --overwrite
 
 lint: $(STAMP)
-	$(BIN)/ruff check . && $(BIN)/ruff format --check .
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
-course: $(STAMP)  ## run every notebook headless into build/, print seconds per notebook
-	$(BIN)/python tools/run_course.py tutorials build
+course: $(STAMP)  ## run every notebook headless into build/course, print seconds per notebook
+	$(BIN)/python tools/run_course.py tutorials build/course
+
+docs: $(STAMP)  ## the docs site in build/html, from the executed notebooks, warnings are errors
+	test -f $(EXECUTED)/00_setup.ipynb || $(MAKE) --no-print-directory notebooks
+	rm -rf docs/lessons && mkdir -p docs/lessons && cp $(EXECUTED)/[0-9][0-9]_*.ipynb docs/lessons/
+	$(BIN)/sphinx-build -W --keep-going -q -b html docs build/html
+	@echo "docs: open build/html/index.html"
 
 clean:
-	rm -rf build .pytest_cache .ruff_cache
+	rm -rf build docs/lessons docs/_generated .pytest_cache .ruff_cache

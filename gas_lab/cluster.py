@@ -2,7 +2,7 @@
 
 Distributed training needs several processes ("ranks") that talk through collectives. A
 notebook kernel is one process, and starting DeepSpeed takes seconds, so the ranks here are
-started once and reused by every cell:
+started once and reused by every cell::
 
     cluster = gas_lab.start_cluster()          # 2 CPU ranks (gloo), or one per GPU (nccl)
     cluster.run(fn, *args)                     # fn(*args) on every rank -> [result of rank 0, ...]

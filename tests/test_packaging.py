@@ -10,7 +10,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _pyproject_requirements() -> set[str]:
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    return set(project["dependencies"]) | set(project["optional-dependencies"]["dev"])
+    extras = project["optional-dependencies"]
+    return set(project["dependencies"]) | set(extras["dev"]) | set(extras["docs"])
 
 
 def _conda_pip_requirements() -> set[str]:

@@ -1,0 +1,49 @@
+"""Sphinx configuration: the course site, built from the notebooks nbmake already executed."""
+
+import sys
+from pathlib import Path
+
+DOCS = Path(__file__).resolve().parent
+sys.path.insert(0, str(DOCS.parent))
+
+project = "gas_lab"
+author = "gas_lab maintainers"
+copyright = "2026, gas_lab maintainers"
+
+extensions = ["myst_nb", "sphinx.ext.autodoc", "sphinx.ext.napoleon", "sphinx.ext.viewcode"]
+# The notebooks under lessons/ are copies of the ones `make test` executed with nbmake:
+# never execute them a second time here.
+nb_execution_mode = "off"
+nb_merge_streams = True
+myst_enable_extensions = ["dollarmath", "colon_fence"]
+exclude_patterns = ["_build", "**/.ipynb_checkpoints"]
+suppress_warnings = ["mystnb.unknown_mime_type"]  # ipywidgets state cannot render statically
+
+autodoc_member_order = "bysource"
+autodoc_typehints = "description"
+autodoc_mock_imports = []
+
+html_theme = "sphinx_book_theme"
+html_title = "gas_lab: gradient accumulation, one device to ZeRO-1"
+html_theme_options = {"show_toc_level": 2}
+
+
+def _write_rules_table(app):
+    """The rejected-combinations page is generated from gas_lab/rules.py, the one source."""
+    from gas_lab import rules
+
+    rows = rules.table()
+    cols = list(rows[0])
+
+    def cell(value) -> str:
+        return str(value).replace("|", "\\|").replace("\n", " ")
+
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(cell(row[c]) for c in cols) + " |" for row in rows]
+    out = DOCS / "_generated"
+    out.mkdir(exist_ok=True)
+    (out / "rules_table.md").write_text("\n".join(lines) + "\n")
+
+
+def setup(app):
+    app.connect("builder-inited", _write_rules_table)
