@@ -149,7 +149,8 @@ class Cluster:
             "PYTHONUNBUFFERED": "1",
         }
         if self.backend == "gloo":
-            env.update(DS_ACCELERATOR="cpu", GLOO_SOCKET_IFNAME="lo")
+            # CPU ranks even on a GPU machine: hide the GPUs so every layer agrees.
+            env.update(DS_ACCELERATOR="cpu", GLOO_SOCKET_IFNAME="lo", CUDA_VISIBLE_DEVICES="")
         self._ipp = ipp.Cluster(
             n=self.world_size,
             controller_ip="127.0.0.1",
@@ -304,23 +305,32 @@ def _kill(pids: list[int]) -> None:
 _current: Cluster | None = None
 
 
-def start_cluster(world_size: int | None = None, restart: bool = False) -> Cluster:
+def start_cluster(
+    world_size: int | None = None, restart: bool = False, device: str | None = None
+) -> Cluster:
     """Start the notebook's ranks, or return the ones already running.
 
     ``world_size=None`` means 2 CPU ranks (gloo, ``DS_ACCELERATOR=cpu``) on a machine without a
-    GPU and one rank per GPU (nccl) otherwise. Asking for a different world size, or
-    ``restart=True``, stops the running ranks first, so processes never pile up.
+    GPU and one rank per GPU (nccl) otherwise. ``device="cpu"`` forces CPU ranks on a GPU
+    machine (the course's tests do, so they check the same thing everywhere). Asking for a
+    different world size or device, or ``restart=True``, stops the running ranks first, so
+    processes never pile up.
     """
     global _current
-    default_size, backend = _default_world_size()
-    world_size = world_size or default_size
-    if backend == "nccl" and world_size > default_size:
+    gpus, default_backend = _default_world_size()
+    if device not in (None, "cpu", "cuda"):
+        raise ValueError(f"device={device!r}: use 'cpu', 'cuda' or None (automatic)")
+    if device == "cuda" and default_backend != "nccl":
+        raise ValueError("device='cuda' but torch sees no GPU on this machine")
+    backend = "gloo" if device == "cpu" else default_backend
+    world_size = world_size or (2 if backend == "gloo" else gpus)
+    if backend == "nccl" and world_size > gpus:
         raise ValueError(
-            f"world_size={world_size} but this machine has {default_size} GPUs: nccl needs one "
-            "GPU per rank. Use world_size <= the GPU count."
+            f"world_size={world_size} but this machine has {gpus} GPUs: nccl needs one "
+            "GPU per rank. Use world_size <= the GPU count, or device='cpu'."
         )
     if _current is not None and _current.running and not restart:
-        if _current.world_size == world_size:
+        if (_current.world_size, _current.backend) == (world_size, backend):
             return _current
     if _current is not None:
         _current.stop()

@@ -35,6 +35,7 @@ from gas_lab import rules
 from gas_lab.config import GasConfig, load_config
 from gas_lab.dp import AllReduceUpdate
 from gas_lab.rules import NotImplementedInGasLab, Situation
+from gas_lab.zero1 import ShardedUpdate
 
 
 class UpdateStrategy(Protocol):
@@ -42,7 +43,7 @@ class UpdateStrategy(Protocol):
 
     Built as ``Strategy(params, optimizer, group, config)``; ``params`` are the module's
     parameters, ``group`` the data-parallel process group (None: a single process). Stage 0
-    is ``gas_lab.dp.AllReduceUpdate``; stage 1 will be ``gas_lab.zero1.ShardedUpdate``.
+    is ``gas_lab.dp.AllReduceUpdate``; stage 1 is ``gas_lab.zero1.ShardedUpdate``.
     """
 
     optimizer: torch.optim.Optimizer
@@ -222,15 +223,8 @@ def initialize(
 
 
 def _strategy_for(stage: int):
-    if stage == 0:
-        return AllReduceUpdate
-    try:
-        from gas_lab.zero1 import ShardedUpdate
-    except ModuleNotFoundError as err:
-        if err.name != "gas_lab.zero1":
-            raise
-        raise NotImplementedInGasLab("ZeRO stage 1 arrives with gas_lab/zero1.py") from None
-    return ShardedUpdate
+    # Stages 2/3 never get here: rules.enforce() refused them as out of scope.
+    return {0: AllReduceUpdate, 1: ShardedUpdate}[stage]
 
 
 def _default_group():

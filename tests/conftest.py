@@ -7,6 +7,7 @@ import pytest
 def cluster():
     import gas_lab
 
-    c = gas_lab.start_cluster(world_size=2)
+    # 2 CPU ranks everywhere, GPU machine or not, so the tests check the same thing everywhere.
+    c = gas_lab.start_cluster(world_size=2, device="cpu")
     yield c
     gas_lab.stop_cluster()

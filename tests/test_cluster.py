@@ -1,5 +1,6 @@
 """The notebook runtime: results, rank errors, stalls, idempotent start, no leaked processes."""
 
+import json
 import os
 import subprocess
 import sys
@@ -7,6 +8,7 @@ import time
 
 import psutil
 import pytest
+import torch
 
 import gas_lab
 from gas_lab.cluster import RankError, RankStallError
@@ -38,7 +40,7 @@ def test_run_returns_per_rank_results_and_a_torchrun_environment(cluster):
 
 
 def test_start_is_idempotent(cluster):
-    again = gas_lab.start_cluster()
+    again = gas_lab.start_cluster(device="cpu")
     assert again is cluster and again.pids == cluster.pids
 
 
@@ -147,3 +149,34 @@ def test_no_process_survives_stop_or_exit(end):
         time.sleep(0.2)
     leaked = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
     assert leaked == []
+
+
+def test_bad_device_is_a_clear_error():
+    with pytest.raises(ValueError, match="device='tpu'"):
+        gas_lab.start_cluster(device="tpu")
+
+
+_GPU_CHILD = """
+import gas_lab, json, torch
+from gas_lab import hello
+c = gas_lab.start_cluster()
+out = c.run(hello.all_reduce_hello)
+import torch.distributed as dist
+backends = c.run(dist.get_backend)
+print(json.dumps({"world": c.world_size, "received": [r["received"] for r in out],
+                  "backends": backends, "gpus": torch.cuda.device_count()}))
+gas_lab.stop_cluster()
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_machine_ranks_default_to_one_per_gpu_with_nccl():
+    proc = subprocess.run(
+        [sys.executable, "-c", _GPU_CHILD], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    w = out["gpus"]
+    assert out["world"] == w and out["backends"] == ["nccl"] * w
+    assert out["received"] == [w * (w + 1) / 2] * w

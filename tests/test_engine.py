@@ -3,7 +3,6 @@
 The 2-rank comparison against DeepSpeed itself is in test_parity.py.
 """
 
-import importlib.util
 
 import pytest
 import torch
@@ -169,14 +168,6 @@ def test_coalesce_at_stage_0_is_refused_like_deepspeed():
     with pytest.raises(RejectedCombination, match="stage 1/2/3"):
         with engine.coalesce_grad_reduction():
             pass
-
-
-@pytest.mark.skipif(
-    importlib.util.find_spec("gas_lab.zero1") is not None, reason="gas_lab.zero1 exists"
-)
-def test_stage_1_waits_for_zero1():
-    with pytest.raises(NotImplementedInGasLab, match="zero1"):
-        make(zero_optimization={"stage": 1})
 
 
 def test_pipeline_models_are_refused_or_out_of_scope():

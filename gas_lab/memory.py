@@ -1,0 +1,100 @@
+"""Bytes per rank, measured from the tensors a training run really holds.
+
+ZeRO-1's promise is "optimizer state / W per rank". This module checks it by summing the bytes
+of the tensors in ``optimizer.state`` (Adam: ``exp_avg``, ``exp_avg_sq``, ``step``; SGD with
+momentum: ``momentum_buffer``) on each rank, for a gas_lab engine or a DeepSpeed one::
+
+    mem = measure(engine)          # after at least one step(): optimizers create state lazily
+    mem.state_bytes                # e.g. 244 on each of 2 ranks, vs 480 at stage 0
+
+Two kinds of state behave differently: *element-wise* state has one number per weight and is
+what sharding divides by W; *per-tensor* state (Adam's ``step`` counter, one 4-byte scalar per
+tensor the optimizer sees) does not shrink, but it is a few bytes. :func:`project` extrapolates
+the element-wise part to other world sizes from the measured bytes per element.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from gas_lab.zero1 import Layout
+
+
+def tensor_bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def torch_optimizer(optimizer) -> torch.optim.Optimizer:
+    """The torch optimizer inside (DeepSpeed's ZeRO optimizer wraps one as ``.optimizer``)."""
+    while not isinstance(optimizer, torch.optim.Optimizer):
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
+@dataclass
+class RankMemory:
+    """What one rank holds for training, in bytes (gradients are transient and not counted)."""
+
+    stage: int
+    world_size: int
+    model_numel: int  # weights in the model (all of them, on every rank)
+    weight_bytes: int  # the model's weights
+    master_bytes: int  # tensors the optimizer steps on that are not the model's weights
+    optimizer_numel: int  # elements the optimizer steps on (a shard, with padding, at stage 1)
+    state: dict[str, int] = field(default_factory=dict)  # optimizer.state key -> bytes
+    elementwise_bytes: int = 0  # state with one number per element (sharded by ZeRO-1)
+    per_tensor_bytes: int = 0  # state with one number per tensor (step counters)
+
+    @property
+    def state_bytes(self) -> int:
+        return sum(self.state.values())
+
+    @property
+    def state_bytes_per_element(self) -> float:
+        """Element-wise state per element the optimizer owns (Adam fp32: 8, SGD momentum: 4)."""
+        return self.elementwise_bytes / self.optimizer_numel if self.optimizer_numel else 0.0
+
+
+def measure(engine) -> RankMemory:
+    """Measure this rank's memory from ``engine``'s tensors (gas_lab or DeepSpeed engine)."""
+    opt = torch_optimizer(engine.optimizer)
+    weights = list(engine.module.parameters())
+    weight_ptrs = {p.data_ptr() for p in weights}
+    stepped = [p for group in opt.param_groups for p in group["params"]]
+    mem = RankMemory(
+        stage=engine.zero_optimization_stage(),
+        world_size=_world_size(engine),
+        model_numel=sum(p.numel() for p in weights),
+        weight_bytes=sum(tensor_bytes(p) for p in weights),
+        # At stage 0 the optimizer steps on the weights themselves; at stage 1 on a copy.
+        master_bytes=sum(tensor_bytes(p) for p in stepped if p.data_ptr() not in weight_ptrs),
+        optimizer_numel=sum(p.numel() for p in stepped),
+    )
+    for p in stepped:
+        for key, value in opt.state.get(p, {}).items():
+            if not torch.is_tensor(value):
+                continue
+            mem.state[key] = mem.state.get(key, 0) + tensor_bytes(value)
+            if value.numel() == p.numel() and value.dim() > 0:
+                mem.elementwise_bytes += tensor_bytes(value)
+            else:
+                mem.per_tensor_bytes += tensor_bytes(value)
+    return mem
+
+
+def project(bytes_per_element: float, numel: int, world_size: int, stage: int) -> float:
+    """Element-wise optimizer state per rank (a projection, from measured bytes per element).
+
+    Stage 0: every rank holds state for all ``numel`` weights. Stage 1: for one shard of the
+    padded flat vector, laid out as :class:`gas_lab.zero1.Layout` does.
+    """
+    owned = numel if stage == 0 else Layout.of([numel], world_size).shard_size
+    return bytes_per_element * owned
+
+
+def _world_size(engine) -> int:
+    if hasattr(engine, "dp_world_size"):  # a DeepSpeed engine
+        return engine.dp_world_size
+    return torch.distributed.get_world_size(engine.group) if engine.group is not None else 1

@@ -1,0 +1,235 @@
+"""ZeRO stage 1 from scratch: each rank keeps the optimizer state of one shard of the weights.
+
+At stage 0 every rank holds the whole optimizer state (Adam: two numbers per weight) and runs
+the same update on the same averaged gradient: W identical copies of one computation. ZeRO-1
+lays all the weights end to end in one flat vector, pads it, and cuts it into W equal shards.
+Rank r keeps the optimizer state of shard r only and updates shard r only; then the ranks
+all-gather the updated shards, so every rank again holds the whole model for the next forward.
+
+At the accumulation boundary (``gas_lab.engine`` decides when; this module decides how):
+
+1. **reduce** the gradients; rank r needs the averaged gradient of shard r. Two ways:
+   ``"all_reduce"`` the whole gradient and keep your shard (what DeepSpeed 0.19.8 stage 1
+   does, measured), or ``"reduce_scatter"``, which delivers each rank only its shard. On a
+   ring, an all-reduce moves 2(W-1)/W of the gradient bytes per rank, a reduce-scatter half
+   of that; with the all-gather below, reduce-scatter makes ZeRO-1 cost what DDP costs.
+2. **clip** by the global norm. A rank holds one shard, so the norm is the square root of the
+   *sum over ranks* of each shard's squared norm: one 4-byte all-reduce (DeepSpeed computes
+   the norm even when clipping is off, so gas_lab does too, and the counts match).
+3. **step** the wrapped optimizer (SGD, Adam, AdamW: any element-wise one) on the shard.
+4. **all-gather** the shards into the flat buffer. The model's parameters are views into that
+   buffer, so the all-gather writes the new weights straight into the model.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from gas_lab.dp import all_reduce_mean
+
+# Shard sizes are a multiple of this many elements, as in DeepSpeed (4 bytes of fp16), so
+# every shard starts aligned; the flat vector is padded with zeros up to W x that multiple.
+ALIGNMENT = 2
+REDUCE_MODES = ("all_reduce", "reduce_scatter")
+
+
+class Layout:
+    """Where each parameter sits in a flat, zero-padded vector cut into ``world_size`` shards.
+
+    ``Layout.of([5, 3], world_size=2)``: 8 elements, padded to 8, shards [0, 4) and [4, 8);
+    parameter 0 is split between the two shards. ``Layout.of([5], 2)``: padded to 8, rank 1
+    owns elements 4..7, of which only element 4 is real.
+    """
+
+    def __init__(self, numels: tuple[int, ...], world_size: int):
+        self.numels, self.world_size = numels, world_size
+        self.offsets = tuple(sum(numels[:i]) for i in range(len(numels)))
+        self.numel = sum(numels)  # real elements, without padding
+        unit = ALIGNMENT * world_size
+        self.shard_size = -(-self.numel // unit) * unit // world_size  # round up, then cut
+
+    @classmethod
+    def of(cls, numels, world_size: int) -> Layout:
+        return cls(tuple(int(n) for n in numels), int(world_size))
+
+    def __repr__(self) -> str:
+        return (
+            f"Layout({self.numel} elements in {len(self.numels)} tensors, {self.world_size} "
+            f"shards of {self.shard_size}, padding {self.padding})"
+        )
+
+    @property
+    def padded_numel(self) -> int:
+        return self.shard_size * self.world_size
+
+    @property
+    def padding(self) -> int:
+        return self.padded_numel - self.numel
+
+    def shard(self, rank: int) -> tuple[int, int]:
+        """[start, end) of rank's shard in the flat vector."""
+        return rank * self.shard_size, (rank + 1) * self.shard_size
+
+    def pieces(self, rank: int) -> list[tuple[int, int, int]]:
+        """The parameters that overlap rank's shard: (parameter index, start, end) in the
+        parameter's own flat numbering. A parameter may be split across two shards."""
+        lo, hi = self.shard(rank)
+        out = []
+        for i, (offset, n) in enumerate(zip(self.offsets, self.numels, strict=True)):
+            start, end = max(lo, offset), min(hi, offset + n)
+            if start < end:
+                out.append((i, start - offset, end - offset))
+        return out
+
+
+class _FlatGroup:
+    """One optimizer param group, flattened: the model's weights become views into ``flat``;
+    ``master`` is this rank's shard, the only tensor the optimizer sees."""
+
+    def __init__(self, params: list[torch.nn.Parameter], world_size: int, rank: int):
+        dtypes = {p.dtype for p in params}
+        if len(dtypes) > 1:
+            raise TypeError(f"one param group, one dtype; got {sorted(map(str, dtypes))}")
+        self.params = params
+        self.layout = Layout.of([p.numel() for p in params], world_size)
+        self.start, self.end = self.layout.shard(rank)
+        self.flat = torch.zeros(
+            self.layout.padded_numel, dtype=params[0].dtype, device=params[0].device
+        )
+        for p, offset in zip(params, self.layout.offsets, strict=True):
+            view = self.flat[offset : offset + p.numel()]
+            view.copy_(p.detach().reshape(-1))
+            p.data = view.view_as(p)  # the weights now live inside flat: no copy after gather
+        # A separate tensor, not a view of flat, as DeepSpeed's "fp32 partition": with bf16
+        # weights this is the fp32 master copy; the all-gather then reads it without aliasing.
+        self.master = self.flat[self.start : self.end].clone()
+        self.grad_shard: torch.Tensor | None = None  # set by reduce, consumed by update
+
+    def local_gradient(self) -> torch.Tensor:
+        """This rank's gradients, flat and padded (an unused parameter counts as zeros)."""
+        flat = torch.zeros_like(self.flat)
+        for p, offset in zip(self.params, self.layout.offsets, strict=True):
+            if p.grad is not None:
+                flat[offset : offset + p.numel()].copy_(p.grad.reshape(-1))
+        return flat
+
+    def clear_grads(self) -> None:
+        for p in self.params:
+            p.grad = None  # the full gradient is not needed once the shard is kept
+
+
+class ShardedUpdate:
+    """ZeRO-1 as a ``gas_lab.engine.UpdateStrategy``: ``reduce_gradients()`` at the boundary,
+    then ``update()`` (clip, step the shard, all-gather).
+
+    ``optimizer`` is a fresh torch optimizer over the model's parameters; its param groups are
+    re-pointed at this rank's shards (DeepSpeed does the same), so ``optimizer.state`` holds
+    only this rank's share. ``reduce`` is ``"all_reduce"`` (DeepSpeed's stage 1) or
+    ``"reduce_scatter"``. Frozen and empty parameters are left out, as in DeepSpeed. A
+    parameter without a gradient on this rank is reduced as zeros; DeepSpeed 0.19.8 leaves it
+    out of the buffer instead, which breaks the all-reduce when it is used on one rank only.
+    """
+
+    def __init__(self, params, optimizer, group, config, reduce: str = "all_reduce"):
+        if reduce not in REDUCE_MODES:
+            raise ValueError(f"reduce must be one of {REDUCE_MODES}, got {reduce!r}")
+        self.group, self.reduce = group, reduce
+        self.world_size = dist.get_world_size(group) if group is not None else 1
+        self.rank = dist.get_rank(group) if group is not None else 0
+        self.max_norm = config.gradient_clipping
+        trainable = {id(p) for p in params if p.requires_grad and p.numel() > 0}
+        self.groups: list[_FlatGroup] = []
+        for param_group in optimizer.param_groups:
+            mine = [p for p in param_group["params"] if id(p) in trainable]
+            if not mine:
+                param_group["params"] = []
+                continue
+            flat_group = _FlatGroup(mine, self.world_size, self.rank)
+            param_group["params"] = [flat_group.master]
+            self.groups.append(flat_group)
+        self.optimizer = optimizer
+        self.last_norm: float | None = None  # the global gradient norm of the last update
+
+    @property
+    def master_shards(self) -> list[torch.Tensor]:
+        return [g.master for g in self.groups]
+
+    def reduce_gradients(self) -> None:
+        """Leave in each group's ``grad_shard`` the rank-averaged gradient of this rank's shard."""
+        for g in self.groups:
+            if self.reduce == "all_reduce":
+                # Send only the real elements (DeepSpeed's buffer), pad afterwards to cut shards.
+                flat = g.local_gradient()
+                real = flat[: g.layout.numel].clone()
+                all_reduce_mean([real], self.group)
+                shard = torch.nn.functional.pad(real, (0, g.layout.padding))[g.start : g.end]
+            elif self.group is None:
+                shard = g.local_gradient()
+            else:
+                shard = torch.empty(g.layout.shard_size, dtype=g.flat.dtype, device=g.flat.device)
+                with warnings.catch_warnings():  # torch 2.13 renamed it; the name works >= 2.4
+                    warnings.simplefilter("ignore", FutureWarning)
+                    dist.reduce_scatter_tensor(shard, g.local_gradient(), group=self.group)
+                shard.div_(self.world_size)  # reduce-scatter sums; the mean is what we step on
+            # Reducing twice before an update (two boundaries) adds up, like .grad would.
+            g.grad_shard = shard.clone() if g.grad_shard is None else g.grad_shard + shard
+            g.clear_grads()
+
+    def update(self) -> bool:
+        """Clip by the global norm, step the optimizer on the shard, all-gather the weights."""
+        for g in self.groups:
+            if g.grad_shard is None:
+                # No reduction since the last update (e.g. every backward() was in no_sync()):
+                # as at stage 0, the optimizer steps on the local gradient.
+                g.grad_shard = g.local_gradient()[g.start : g.end].clone()
+        shards = [g.grad_shard for g in self.groups]
+        # The norm is computed even without clipping, as DeepSpeed stage 1 does (it reports
+        # it): that is one 4-byte all-reduce per update whatever gradient_clipping says.
+        norm = global_norm(shards, self.group)
+        if self.max_norm > 0:
+            clip_by(shards, norm, self.max_norm)
+        self.last_norm = norm.item()
+        for g in self.groups:
+            g.master.grad = g.grad_shard
+        self.optimizer.step()
+        for g in self.groups:
+            g.master.grad = g.grad_shard = None
+            g.clear_grads()
+            if self.group is None:
+                g.flat.copy_(g.master)
+            else:
+                dist.all_gather_into_tensor(g.flat, g.master, group=self.group)
+        return True
+
+
+def global_norm(shards: list[torch.Tensor], group=None) -> torch.Tensor:
+    """The L2 norm of the whole gradient when each rank holds only ``shards`` of it.
+
+    Norms do not add, squares do: sum the squared norms over ranks, then take the root. (The
+    root of a local norm alone would be this rank's part, smaller than the true norm.)
+    """
+    device = shards[0].device if shards else None
+    squares = torch.zeros((), dtype=torch.float32, device=device)
+    for s in shards:
+        squares = squares + s.detach().float().pow(2).sum()
+    if group is not None:
+        dist.all_reduce(squares, group=group)  # 4 bytes: sum over ranks
+    return squares.sqrt()
+
+
+def clip_by(shards: list[torch.Tensor], norm: torch.Tensor, max_norm: float) -> None:
+    """Scale in place by min(1, max_norm / (norm + 1e-6)): stage 0's formula
+    (``gas_lab.dp.clip_by_global_norm``), applied with the global ``norm``."""
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for s in shards:
+        s.mul_(coef.to(s.dtype))
+
+
+def clip_sharded(shards: list[torch.Tensor], max_norm: float, group=None) -> torch.Tensor:
+    """Clip shards of one gradient by the norm of the whole gradient; returns that norm."""
+    norm = global_norm(shards, group)
+    clip_by(shards, norm, max_norm)
+    return norm

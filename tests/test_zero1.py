@@ -1,0 +1,377 @@
+"""ZeRO-1 (gas_lab/zero1.py, gas_lab/memory.py): the layout, one process against stage 0, and
+2 ranks against DeepSpeed 0.19.8 stage 1 (parameters, counters, collectives, memory)."""
+
+import functools
+
+import pytest
+import torch
+
+from gas_lab.engine import initialize
+from gas_lab.parity import micro_batch, tiny_model
+from gas_lab.zero1 import ALIGNMENT, Layout, ShardedUpdate, clip_sharded
+
+TOL = 1e-6
+SGD = {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}}
+ADAM = {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}}
+ADAMW = {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1, "torch_adam": True}}
+
+
+def config(optimizer, gas, managed=True, stage=1, **extra):
+    return {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": gas,
+        "managed_gradient_accumulation": managed,
+        "optimizer": optimizer,
+        "zero_optimization": {"stage": stage},
+        "zero_allow_untested_optimizer": True,  # SGD under ZeRO needs the opt-in in DeepSpeed
+        **extra,
+    }
+
+
+class PartlyFrozen(torch.nn.Module):
+    """An odd number of trainable weights (not a multiple of W x ALIGNMENT), a frozen layer
+    between them, and a parameter that never receives a gradient."""
+
+    def __init__(self, seed: int):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.a, self.frozen, self.b = (
+            torch.nn.Linear(4, 5),
+            torch.nn.Linear(5, 5),
+            torch.nn.Linear(5, 2),
+        )
+        self.frozen.requires_grad_(False)
+        self.unused = torch.nn.Parameter(torch.randn(5))
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.frozen(torch.tanh(self.a(x)))))
+
+
+# ---------------------------------------------------------------- the layout, on paper
+@pytest.mark.parametrize("world_size", [1, 2, 3, 8, 64])
+@pytest.mark.parametrize("numels", [[58], [5, 3], [25, 25, 12, 5], [1], [7, 1, 1000, 3]])
+def test_layout_covers_every_element_once(numels, world_size):
+    layout = Layout.of(numels, world_size)
+    unit = ALIGNMENT * world_size
+    assert layout.padded_numel % unit == 0 and 0 <= layout.padding < unit
+    assert layout.padded_numel == layout.numel + layout.padding == sum(numels) + layout.padding
+    seen = [torch.zeros(n, dtype=torch.int64) for n in numels]
+    for rank in range(world_size):
+        start, end = layout.shard(rank)
+        assert end - start == layout.shard_size and start % ALIGNMENT == 0
+        for i, lo, hi in layout.pieces(rank):
+            assert layout.offsets[i] + lo >= start and layout.offsets[i] + hi <= end
+            seen[i][lo:hi] += 1
+    assert all((s == 1).all() for s in seen)  # every real element in exactly one shard
+
+
+# ---------------------------------------------------------------- one process
+def _train(stage, optimizer, managed, clip, n_per_step, model_fn=tiny_model):
+    cfg = config(optimizer, 3, managed, stage, gradient_clipping=clip)
+    model = model_fn(0)
+    engine, opt, _, _ = initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    for step, n in enumerate(n_per_step):
+        for micro in range(n):
+            x, y = micro_batch(0, step, micro, 0, 2)
+            engine.backward(torch.nn.functional.mse_loss(engine(x), y))
+            if managed:
+                engine.step()
+        if not managed:
+            engine.step()
+    return engine, opt
+
+
+@pytest.fixture
+def single_process(monkeypatch):
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+
+
+@pytest.mark.usefixtures("single_process")
+@pytest.mark.parametrize("managed, n_per_step", [(True, [3, 3, 3]), (False, [2, 5, 0, 1])])
+@pytest.mark.parametrize("optimizer", [SGD, ADAMW], ids=["sgd", "adamw"])
+@pytest.mark.parametrize("clip", [0.0, 0.05])
+@pytest.mark.parametrize("model_fn", [tiny_model, PartlyFrozen], ids=["tiny", "partly-frozen"])
+def test_stage_1_on_one_process_is_stage_0(managed, n_per_step, optimizer, clip, model_fn):
+    zero, opt = _train(1, optimizer, managed, clip, n_per_step, model_fn)
+    plain, _ = _train(0, optimizer, managed, clip, n_per_step, model_fn)
+    assert isinstance(zero._update, ShardedUpdate) and zero.zero_optimization_stage() == 1
+    assert [p for g in opt.param_groups for p in g["params"]] == zero._update.master_shards
+    for (name, ours), theirs in zip(
+        zero.module.named_parameters(), plain.module.parameters(), strict=True
+    ):
+        assert (ours - theirs).abs().max().item() <= TOL, name
+    moved = [
+        (p - q).abs().max()
+        for p, q in zip(zero.module.parameters(), model_fn(0).parameters(), strict=True)
+    ]
+    assert max(moved) > 1e-3  # training did something
+
+
+@pytest.mark.usefixtures("single_process")
+def test_weights_are_views_of_the_flat_buffer():
+    engine, _ = _train(1, ADAM, True, 1.0, [3])
+    (group,) = engine._update.groups
+    for p, offset in zip(group.params, group.layout.offsets, strict=True):
+        assert p.data_ptr() == group.flat[offset:].data_ptr()  # no copy: the gather lands here
+    assert torch.equal(group.flat[: group.layout.numel], group.master[: group.layout.numel])
+
+
+def test_a_param_group_of_mixed_dtypes_is_refused():
+    params = [
+        torch.nn.Parameter(torch.zeros(3)),
+        torch.nn.Parameter(torch.zeros(3, dtype=torch.float64)),
+    ]
+    cfg = type("Cfg", (), {"gradient_clipping": 0.0})()
+    with pytest.raises(TypeError, match="one dtype"):
+        ShardedUpdate(params, torch.optim.SGD(params, lr=0.1), None, cfg)
+    with pytest.raises(ValueError, match="reduce must be"):
+        ShardedUpdate(params, torch.optim.SGD(params, lr=0.1), None, cfg, reduce="broadcast")
+
+
+def test_clip_sharded_without_a_group_is_torch_clipping():
+    torch.manual_seed(0)
+    grads = [torch.randn(7), torch.randn(4)]
+    ref = [g.clone().requires_grad_() for g in grads]
+    for r, g in zip(ref, grads, strict=True):
+        r.grad = g.clone()
+    expected = torch.nn.utils.clip_grad_norm_(ref, 0.5)
+    norm = clip_sharded(grads, 0.5)
+    assert abs(norm.item() - expected.item()) <= 1e-6 and norm.item() > 0.5
+    for r, g in zip(ref, grads, strict=True):
+        assert (r.grad - g).abs().max().item() <= 1e-7
+
+
+# ---------------------------------------------------------------- 2 ranks: the global norm
+def _sharded_clipping(max_norm):
+    import torch.distributed as dist
+
+    torch.manual_seed(3)  # the same full gradient on every rank; each keeps its own shard
+    full = torch.randn(43)
+    layout = Layout.of([43], dist.get_world_size())
+    start, end = layout.shard(dist.get_rank())
+    shard = torch.nn.functional.pad(full, (0, layout.padding))[start:end].clone()
+    local_only = shard.norm().item()  # the mistake: a norm of this rank's shard only
+    norm = clip_sharded([shard], max_norm, dist.group.WORLD)
+    gathered = torch.empty(layout.padded_numel)
+    dist.all_gather_into_tensor(gathered, shard)
+    ref = full.clone().requires_grad_()
+    ref.grad = full.clone()
+    expected = torch.nn.utils.clip_grad_norm_([ref], max_norm)
+    return norm.item(), expected.item(), local_only, (gathered[:43] - ref.grad).abs().max().item()
+
+
+@pytest.mark.ranks
+def test_clipping_uses_the_global_norm(cluster):
+    for norm, expected, local_only, diff in cluster.run(_sharded_clipping, 1.0):
+        assert abs(norm - expected) <= 1e-5 and norm > 1.0  # clipping really happened
+        assert diff <= 1e-6  # == torch's clip_grad_norm_ on the whole gradient
+        assert local_only < norm - 0.5  # a shard's own norm would clip too little
+
+
+# ---------------------------------------------------------------- 2 ranks: == DeepSpeed
+def _parity(cfg, kw):
+    from gas_lab.parity import run_parity
+
+    kw = dict(kw)
+    if kw.pop("per_rank_n", False):  # ranks run different numbers of micro-batches
+        kw["micro_batches"] = lambda step, rank: 1 + (step + 2 * rank) % 4
+    if kw.pop("partly_frozen", False):
+        kw["model_fn"] = PartlyFrozen
+    r = run_parity(cfg, **kw)
+    return r.max_abs_diff, r.counters, r.collectives, r.losses["gas_lab"][0]
+
+
+CASES = {
+    "managed-sgd-gas3": (config(SGD, 3), {}),
+    "managed-sgd-gas1-noclip": (config(SGD, 1, gradient_clipping=0.0), {}),
+    "managed-adam-gas2": (config(ADAM, 2), {}),
+    "managed-adam-gas2-noclip": (config(ADAM, 2, gradient_clipping=0.0), {}),
+    "managed-adamw-gas3-clip0.05": (config(ADAMW, 3, gradient_clipping=0.05), {}),
+    "unmanaged-sgd-varN": (config(SGD, 2, False), {"micro_batches": [1, 3, 2, 4], "steps": 4}),
+    "unmanaged-sgd-varN-clip0.05": (
+        config(SGD, 2, False, gradient_clipping=0.05),
+        {"micro_batches": [3, 1, 2]},
+    ),
+    "unmanaged-adam-varN-noclip": (
+        config(ADAM, 3, False, gradient_clipping=0.0),
+        {"micro_batches": [2, 5, 1, 3], "steps": 4},
+    ),
+    "unmanaged-adamw-noscale-clip0.05": (
+        config(ADAMW, 1, False, gradient_clipping=0.05),
+        {"micro_batches": [3, 1, 2], "scale_wrt_gas": False},
+    ),
+    "unmanaged-adam-per-rank-N": (config(ADAM, 2, False), {"per_rank_n": True}),
+}
+
+
+@pytest.mark.ranks
+@pytest.mark.parametrize("name", list(CASES))
+def test_stage_1_matches_deepspeed(cluster, name):
+    cfg, kw = CASES[name]
+    results = cluster.run(_parity, cfg, kw, timeout=120)
+    for diff, counters, collectives, _ in results:
+        assert diff <= TOL, f"{name}: max |gas_lab - DeepSpeed| = {diff:.3g}"
+        assert counters["gas_lab"] == counters["deepspeed"]
+        assert collectives["gas_lab"] == collectives["deepspeed"]
+    assert results[0][3] != results[1][3]  # the ranks saw different data
+
+
+@pytest.mark.ranks
+@pytest.mark.parametrize(
+    "cfg, kw",
+    [(config(ADAM, 2), {}), (config(SGD, 2, False), {"micro_batches": [2, 1, 3]})],
+    ids=["managed-adam", "unmanaged-sgd-varN"],
+)
+def test_frozen_unused_and_uneven_match_deepspeed(cluster, cfg, kw):
+    steps = 3
+    results = cluster.run(_parity, cfg, {**kw, "partly_frozen": True, "steps": steps})
+    unused_bytes = PartlyFrozen(0).unused.numel() * 4
+    for diff, counters, collectives, _ in results:
+        assert diff <= TOL and counters["gas_lab"] == counters["deepspeed"]
+        ours, theirs = collectives["gas_lab"], collectives["deepspeed"]
+        assert ours["all_gather"] == theirs["all_gather"]
+        assert ours["all_reduce"]["calls"] == theirs["all_reduce"]["calls"]
+        # DeepSpeed sends only the gradients that exist; gas_lab also sends zeros for a
+        # parameter without one, so that the ranks' buffers agree even when a parameter is
+        # used on one rank only (DeepSpeed's gloo all-reduce then fails on mismatched sizes).
+        extra = ours["all_reduce"]["bytes"] - theirs["all_reduce"]["bytes"]
+        assert extra == steps * unused_bytes
+
+
+def _step_without_backward():
+    from gas_lab.parity import deepspeed_initialize, train
+
+    cfg, n = config(ADAM, 3, False), [2, 0, 5, 1]
+    engines = {
+        stage: train(initialize, {**cfg, "zero_optimization": {"stage": stage}}, 4, n)[0]
+        for stage in (0, 1)
+    }
+    diff = max(
+        (p - q).abs().max().item()
+        for p, q in zip(engines[0].module.parameters(), engines[1].module.parameters(), strict=True)
+    )
+    try:
+        train(deepspeed_initialize(), cfg, 4, n)
+        raised = None
+    except IndexError as err:  # inside DeepSpeed's reduce_ipg_grads, on every rank
+        raised = str(err)
+    return diff, engines[1].global_steps, raised
+
+
+@pytest.mark.ranks
+def test_a_step_without_backward(cluster):
+    """Unmanaged, a step() after no backward() at all (N = 0 micro-batches): gas_lab stage 1
+    steps on a zero gradient, like stage 0 (which matches DeepSpeed stage 0, test_parity.py).
+    DeepSpeed 0.19.8 stage 1 raises IndexError there; this test notices when that changes."""
+    for diff, global_steps, raised in cluster.run(_step_without_backward, timeout=120):
+        assert diff <= TOL and global_steps == 4
+        assert raised is not None and "index out of range" in raised
+
+
+def _sharded_initialize(mode):
+    """An initialize() like gas_lab's, with the reduction mode of ShardedUpdate chosen."""
+    import torch.distributed as dist
+
+    from gas_lab.config import load_config
+    from gas_lab.engine import Engine
+
+    def init(model, model_parameters, config):
+        cfg = load_config(config, world_size=dist.get_world_size())
+        strategy = functools.partial(ShardedUpdate, reduce=mode)
+        engine = Engine(
+            model, cfg.optimizer.torch_optimizer(model_parameters), cfg, dist.group.WORLD, strategy
+        )
+        return engine, engine.optimizer, None, None
+
+    return init
+
+
+def _collectives(cfg, kw, steps):
+    from gas_lab.parity import deepspeed_initialize, train
+
+    out, params = {}, {}
+    for name, init in [
+        ("deepspeed", deepspeed_initialize()),
+        ("all_reduce", _sharded_initialize("all_reduce")),
+        ("reduce_scatter", _sharded_initialize("reduce_scatter")),
+    ]:
+        engine, _, _, log = train(init, cfg, steps, **kw)
+        out[name] = log.by_kind()
+        params[name] = torch.cat([p.detach().flatten() for p in engine.module.parameters()])
+    grad_bytes = sum(p.numel() * 4 for p in tiny_model(0).parameters())
+    padded_bytes = Layout.of([grad_bytes // 4], 2).padded_numel * 4
+    diff = (params["reduce_scatter"] - params["all_reduce"]).abs().max().item()
+    return out, grad_bytes, padded_bytes, diff
+
+
+@pytest.mark.ranks
+@pytest.mark.parametrize(
+    "cfg, kw",
+    [
+        (config(ADAM, 3), {}),
+        (config(ADAM, 3, gradient_clipping=0.0), {}),
+        (config(SGD, 2, False), {"micro_batches": [4, 1, 3]}),
+        # DeepSpeed's reduce_scatter flag (default true) does not change stage 1's all-reduce
+        (config(ADAM, 2, zero_optimization={"stage": 1, "reduce_scatter": False}), {}),
+        (config(ADAM, 2, False, zero_optimization={"stage": 1, "reduce_scatter": True}), {}),
+    ],
+    ids=["managed-clip", "managed-noclip", "unmanaged-varN", "flag-false", "flag-true"],
+)
+def test_collectives_per_optimizer_step(cluster, cfg, kw):
+    steps = 3
+    for out, grad_bytes, padded_bytes, diff in cluster.run(
+        _collectives, cfg, kw, steps, timeout=120
+    ):
+        # DeepSpeed stage 1: one all-reduce of the whole (unpadded) gradient, one 4-byte
+        # all-reduce of the global norm (computed even with clipping off, unlike stage 0) and
+        # one all-gather of the padded weights.
+        gather = {"calls": steps, "bytes": steps * padded_bytes}
+        assert out["deepspeed"] == {
+            "all_reduce": {"calls": 2 * steps, "bytes": steps * (grad_bytes + 4)},
+            "all_gather": gather,
+        }
+        assert out["all_reduce"] == out["deepspeed"]
+        # reduce-scatter instead: each rank receives only its shard (of the padded gradient).
+        assert out["reduce_scatter"] == {
+            "reduce_scatter": {"calls": steps, "bytes": steps * padded_bytes},
+            "all_reduce": {"calls": steps, "bytes": steps * 4},
+            "all_gather": gather,
+        }
+        assert diff <= TOL  # and the same training
+
+
+# ---------------------------------------------------------------- 2 ranks: memory
+def _memory(optimizer):
+    from gas_lab.memory import measure
+    from gas_lab.parity import deepspeed_initialize, train
+
+    out = {}
+    for name, init in (("gas_lab", initialize), ("deepspeed", deepspeed_initialize())):
+        for stage in (0, 1):
+            engine, *_ = train(init, config(optimizer, 1, stage=stage), steps=1)
+            out[name, stage] = measure(engine)
+    return out
+
+
+@pytest.mark.ranks
+@pytest.mark.parametrize("optimizer", [ADAM, SGD], ids=["adam", "sgd-momentum"])
+def test_stage_1_halves_the_optimizer_state(cluster, optimizer):
+    n_tensors = len(list(tiny_model(0).parameters()))
+    for mem in cluster.run(_memory, optimizer, timeout=120):
+        for stage in (0, 1):
+            assert mem["gas_lab", stage].state == mem["deepspeed", stage].state  # same tensors
+            assert mem["gas_lab", stage].master_bytes == mem["deepspeed", stage].master_bytes
+        zero, one = mem["gas_lab", 0], mem["gas_lab", 1]
+        layout = Layout.of([zero.model_numel], 2)
+        per_element = zero.state_bytes_per_element
+        assert per_element == (8.0 if optimizer is ADAM else 4.0)
+        assert (
+            one.optimizer_numel == layout.shard_size and one.master_bytes == 4 * layout.shard_size
+        )
+        # Half of stage 0's element-wise state, plus this rank's share of the padding ...
+        assert 2 * one.elementwise_bytes == zero.elementwise_bytes + per_element * layout.padding
+        # ... and per-tensor counters: one per weight tensor at stage 0, one per shard at stage 1.
+        counter = 4 if optimizer is ADAM else 0  # Adam's float32 "step"; SGD has none
+        assert (zero.per_tensor_bytes, one.per_tensor_bytes) == (counter * n_tensors, counter)
+        assert one.state_bytes < zero.state_bytes / 2 + per_element * layout.padding
