@@ -85,6 +85,7 @@ def train(
     scale_wrt_gas: bool = True,
     seed: int = 0,
     model_fn: Callable[[int], torch.nn.Module] = tiny_model,
+    loss_divisor: Callable[[int], float] | None = None,
 ):
     """Train with ``initialize`` (gas_lab's or DeepSpeed's).
 
@@ -93,6 +94,8 @@ def train(
     ``micro_batches``: how many micro-batches make step i: None (gradient_accumulation_steps),
     a list (one number per step) or ``f(step, rank)`` (ranks may differ, unmanaged only).
     Managed, ``step()`` follows every micro-batch; unmanaged, it follows the last one.
+    ``loss_divisor(n)``, if given, is called once per step with this rank's n, before the first
+    backward (it may all-reduce), and every micro-batch loss of the step is divided by it.
     """
     model = model_fn(seed)
     engine, _, _, _ = initialize(model=model, model_parameters=model.parameters(), config=config)
@@ -102,16 +105,12 @@ def train(
     counters, losses = [], []
     with count_collectives() as log:  # the loop only: initialize's broadcasts are not counted
         for step in range(steps):
-            if micro_batches is None:
-                n = engine.gradient_accumulation_steps()
-            elif callable(micro_batches):
-                n = micro_batches(step, rank)
-            else:
-                n = micro_batches[step]
+            n = micro_batches_in(micro_batches, step, rank, engine.gradient_accumulation_steps())
+            divisor = 1.0 if loss_divisor is None else loss_divisor(n)
             for micro in range(n):
                 x, y = micro_batch(seed, step, micro, rank, size)
                 loss = torch.nn.functional.mse_loss(engine(x), y)
-                engine.backward(loss, scale_wrt_gas=scale_wrt_gas)
+                engine.backward(loss / divisor, scale_wrt_gas=scale_wrt_gas)
                 losses.append(loss.item())
                 if managed:
                     engine.step()
@@ -120,6 +119,15 @@ def train(
                 engine.step()
                 counters.append(_counters(engine))
     return engine, counters, losses, log
+
+
+def micro_batches_in(micro_batches, step: int, rank: int, default: int) -> int:
+    """How many micro-batches ``rank`` runs in ``step``, from ``train``'s three spellings."""
+    if micro_batches is None:
+        return default
+    if callable(micro_batches):
+        return micro_batches(step, rank)
+    return micro_batches[step]
 
 
 def _counters(engine) -> tuple:
