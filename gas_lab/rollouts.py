@@ -1,0 +1,268 @@
+"""The capstone's RL-style workload: ragged rollouts per rank, and the loss scaling that survives it.
+
+In an RL trainer (or any RPC-driven backend) one optimizer step arrives as *whatever finished*:
+each rank gets its own number of micro-batches, of sequences of their own lengths. With
+``"managed_gradient_accumulation": false`` the trainer calls ``backward()`` once per micro-batch
+and ``step()`` once; DeepSpeed then sums the gradients locally and *averages* them over ranks.
+
+For the step to follow the gradient of the mean loss over every real token of every rank,
+each micro-batch contributes ``sum of its token losses / T * W``: ``T`` the step's real tokens
+summed over ranks (one all-reduce before the first backward), ``W`` the world size, which undoes
+DeepSpeed's average over ranks. And ``backward(loss, scale_wrt_gas=False)``, or DeepSpeed also
+divides by the config's ``gradient_accumulation_steps``, a number that means nothing here.
+
+The same :class:`RolloutRun` runs in the notebook's ranks and in
+``tutorials/scripts/train_unmanaged.py``; :func:`reference_run` is the answer both must reach.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from gas_lab.accumulate import Batch, Window, normalized_loss, token_loss
+from gas_lab.config import load_config
+
+
+# ---------------------------------------------------------------- the model
+class TinyTransformer(nn.Module):
+    """Token + position embedding, one pre-norm block (causal attention, MLP), logits; seeded."""
+
+    def __init__(self, seed: int = 0, vocab: int = 16, dim: int = 16, max_len: int = 12):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed, self.pos = nn.Embedding(vocab, dim), nn.Embedding(max_len, dim)
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        # No bias: a key bias shifts a whole row of scores, which softmax ignores; its gradient
+        # is then float32 noise, which Adam would blow up into lr-sized random steps.
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim, bias=False), nn.Linear(dim, dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        t = tokens.shape[1]
+        h = self.embed(tokens) + self.pos(torch.arange(t, device=tokens.device))
+        q, k, v = self.qkv(self.norm1(h)).chunk(3, dim=-1)
+        scores = q @ k.transpose(1, 2) / math.sqrt(q.shape[-1])
+        # Causal: a token sees only itself and earlier ones, so right-padding never leaks in.
+        causal = torch.ones(t, t, dtype=torch.bool, device=tokens.device).tril()
+        h = h + self.proj(scores.masked_fill(~causal, float("-inf")).softmax(-1) @ v)
+        return self.head(h + self.mlp(self.norm2(h)))
+
+
+# ---------------------------------------------------------------- the rollouts
+@dataclass(frozen=True)
+class RolloutSpec:
+    """Shape of the toy rollouts: ``rows`` sequences per micro-batch, 1..max_micro of them."""
+
+    rows: int = 4  # = train_micro_batch_size_per_gpu, which DeepSpeed's global_samples counts
+    max_micro: int = 4
+    max_len: int = 12
+    vocab: int = 16
+
+
+SPEC = RolloutSpec()
+
+
+def rollouts(
+    step: int, rank: int, seed: int = 0, spec: RolloutSpec = SPEC, n_micro: int | None = None
+) -> list[Batch]:
+    """The micro-batches ``rank`` gets in ``step``: deterministic from (seed, step, rank).
+
+    ``n_micro`` None: a random count in 1..max_micro (what finished on this rank). Each
+    (step, rank) also draws its own longest length, so ranks differ a lot in real tokens. The
+    task: predict the previous token, which the attention must learn to look up.
+    """
+    g = torch.Generator().manual_seed((seed * 100_003 + step) * 1009 + rank)
+    n = n_micro or int(torch.randint(1, spec.max_micro + 1, (1,), generator=g))
+    longest = int(torch.randint(2, spec.max_len + 1, (1,), generator=g))
+    out = []
+    for _ in range(n):
+        lengths = torch.randint(1, longest + 1, (spec.rows, 1), generator=g)
+        mask = (torch.arange(spec.max_len) < lengths).long()
+        x = torch.randint(1, spec.vocab, (spec.rows, spec.max_len), generator=g) * mask
+        y = torch.nn.functional.pad(x[:, :-1], (1, 0))  # the previous token; 0 at the start
+        out.append(Batch(x, y * mask, mask))  # padding: token 0, target 0, masked out
+    return out
+
+
+def to_device(mb: Batch, device) -> Batch:
+    """The micro-batch on the engine's device (a no-op on the CPU)."""
+    return Batch(mb.x.to(device), mb.y.to(device), mb.mask.to(device))
+
+
+# ---------------------------------------------------------------- the loss scaling
+#: How a micro-batch loss is scaled: the right way, and the two classic wrong ones.
+SCALINGS = ("global_tokens", "mean_of_means", "local_tokens")
+#: Each pitfall of the capstone as (scaling, scale_wrt_gas); "none" is the correct loop.
+PITFALLS = {
+    "none": ("global_tokens", False),
+    "mean_of_means": ("mean_of_means", False),
+    "scale_wrt_gas": ("global_tokens", True),
+    "local_tokens": ("local_tokens", False),
+}
+
+
+@dataclass(frozen=True)
+class StepCounts:
+    """What one step holds, counted before its first backward: this rank's and all ranks'."""
+
+    local: Window  # this rank's micro-batches, samples, real tokens
+    global_tokens: int  # real tokens of the step on every rank together
+    world_size: int
+
+    @classmethod
+    def of(cls, micro_batches: list[Batch], device=None) -> StepCounts:
+        local = Window.of(micro_batches)
+        # On the compute device: nccl only reduces GPU tensors. Every rank must call this.
+        total = torch.tensor([local.n_tokens], dtype=torch.int64, device=device)
+        world = 1
+        if dist.is_initialized():
+            dist.all_reduce(total)
+            world = dist.get_world_size()
+        return cls(local, int(total.item()), world)
+
+
+def micro_batch_loss(token_losses: Tensor, mask: Tensor, scaling: str, counts: StepCounts):
+    """The scalar one micro-batch hands to ``engine.backward(..., scale_wrt_gas=False)``."""
+    if scaling == "global_tokens":
+        every_token = Window(counts.local.n_micro, counts.local.n_samples, counts.global_tokens)
+        # x W: DeepSpeed divides the summed gradient by W; the step must be sum / T, not / (T*W).
+        return normalized_loss(token_losses, mask, "per_token", every_token) * counts.world_size
+    if scaling == "mean_of_means":  # each micro-batch's own mean / this rank's count of them
+        return normalized_loss(token_losses, mask, "mean_of_means", counts.local)
+    if scaling == "local_tokens":  # right on one rank; the ranks' means then weigh the same
+        return normalized_loss(token_losses, mask, "per_token", counts.local)
+    raise ValueError(f"unknown scaling {scaling!r}; choose from {SCALINGS}")
+
+
+# ---------------------------------------------------------------- the training loop
+def capstone_config(stage=1, managed=False, clip=0.0, lr=1e-2, spec=SPEC) -> dict:
+    """The DeepSpeed config of the capstone (fp32; also valid for ``gas_lab.initialize``).
+
+    ``gradient_accumulation_steps`` is the *nominal* count ``max_micro``: unmanaged, DeepSpeed
+    reads it only to scale losses when ``scale_wrt_gas=True`` (the pitfall) and to size a
+    micro-batch in ``global_samples``. ``gradient_clipping`` is explicit: DeepSpeed clips at
+    1.0 when the key is missing. ``torch_adam``: no minutes-long fused-Adam build on a CPU.
+    """
+    return {
+        "train_micro_batch_size_per_gpu": spec.rows,
+        "gradient_accumulation_steps": spec.max_micro,
+        "managed_gradient_accumulation": managed,
+        "zero_optimization": {"stage": stage},
+        "gradient_clipping": clip,
+        "optimizer": {"type": "Adam", "params": {"lr": lr, "torch_adam": True}},
+        "steps_per_print": 10**9,  # DeepSpeed's own progress lines would drown ours
+    }
+
+
+def flat_params(module: nn.Module) -> Tensor:
+    """Every parameter as one detached float32 CPU vector (to compare and to ship)."""
+    return torch.cat([p.detach().float().flatten().cpu() for p in module.parameters()])
+
+
+class RolloutRun:
+    """One training run on rollouts; call :meth:`step` once per optimizer step, on every rank.
+
+    ``initialize`` is ``deepspeed.initialize`` or ``gas_lab.initialize``. Unmanaged (as the
+    config says): every micro-batch gets a backward, then one ``step()``. Managed: the rank
+    must run exactly ``gradient_accumulation_steps`` micro-batches, with a ``step()`` after each.
+    """
+
+    def __init__(self, initialize: Callable, config: dict, seed=0, pitfall="none", spec=SPEC):
+        model = TinyTransformer(seed, spec.vocab, max_len=spec.max_len)
+        self.engine, *_ = initialize(
+            model=model, model_parameters=model.parameters(), config=config
+        )
+        self.seed, self.spec, self.pitfall = seed, spec, pitfall
+        self.scaling, self.scale_wrt_gas = PITFALLS[pitfall]
+        self.managed = self.engine.managed_gradient_accumulation()
+        self.device = next(self.engine.module.parameters()).device
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+
+    def step(self, step: int) -> dict:
+        """Train on this step's rollouts; return the step's metrics (the same on every rank)."""
+        gas = self.engine.gradient_accumulation_steps() if self.managed else None
+        micro = rollouts(step, self.rank, self.seed, self.spec, n_micro=gas)
+        counts = StepCounts.of(micro, self.device)  # before the first backward
+        summed = torch.zeros((), dtype=torch.float64, device=self.device)
+        for mb in micro:
+            mb = to_device(mb, self.device)
+            losses = token_loss(self.engine, mb)
+            loss = micro_batch_loss(losses, mb.mask, self.scaling, counts)
+            self.engine.backward(loss, scale_wrt_gas=self.scale_wrt_gas)
+            summed += (losses.detach() * mb.mask).sum().double()
+            if self.managed:
+                self.engine.step()  # counts the micro-step; updates on the GAS-th one
+        if not self.managed:
+            self.engine.step()  # the boundary: all-reduce, then one update
+        # One all_gather for the metrics: (micro-batches, tokens, loss sum) of every rank.
+        mine = torch.stack(
+            [summed.new_tensor(len(micro)), summed.new_tensor(counts.local.n_tokens), summed]
+        )
+        every = [mine.clone() for _ in range(counts.world_size)]
+        if counts.world_size > 1:
+            dist.all_gather(every, mine)
+        every = torch.stack(every).cpu()
+        return {
+            "step": step,
+            "loss": (every[:, 2].sum() / counts.global_tokens).item(),  # before this update
+            "micro_batches": every[:, 0].long().tolist(),
+            "tokens": every[:, 1].long().tolist(),
+            "global_steps": self.engine.global_steps,
+            "global_samples": self.engine.global_samples,
+        }
+
+    def params(self) -> Tensor:
+        return flat_params(self.engine.module)
+
+
+def reference_run(config: dict, steps: int, world_size: int, seed=0, spec=SPEC) -> dict:
+    """One process, no engine: every rank's rollouts of a step as ONE batch, per-token mean.
+
+    The answer a correct :class:`RolloutRun` reaches on ``world_size`` ranks: the same
+    optimizer as DeepSpeed builds from ``config``, clipped at its ``gradient_clipping`` (1.0
+    if unset, DeepSpeed's default). Returns, per step: ``params`` (flat, after the update),
+    ``losses`` (before it) and ``grad_norms`` (before clipping).
+    """
+    cfg = load_config(config, world_size=world_size)
+    model = TinyTransformer(seed, spec.vocab, max_len=spec.max_len)
+    optimizer = cfg.optimizer.torch_optimizer(model.parameters())
+    n_micro = cfg.gradient_accumulation_steps if cfg.managed_gradient_accumulation else None
+    out = {"params": [], "losses": [], "grad_norms": []}
+    for step in range(steps):
+        micro = [mb for r in range(world_size) for mb in rollouts(step, r, seed, spec, n_micro)]
+        big = Batch(*(torch.cat([getattr(m, k) for m in micro]) for k in ("x", "y", "mask")))
+        loss = normalized_loss(token_loss(model, big), big.mask, "per_token", Window.of([big]))
+        loss.backward()
+        clip = cfg.gradient_clipping if cfg.gradient_clipping > 0 else float("inf")
+        out["grad_norms"].append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item())
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        out["losses"].append(loss.item())
+        out["params"].append(flat_params(model))
+    return out
+
+
+# ---------------------------------------------------------------- runs that live on the ranks
+#: A notebook cell ends, its ranks live on: runs started here stay between calls, so that a
+#: notebook can drive them one step per ``cluster.run`` (and show a live progress bar).
+LIVE_RUNS: dict[str, RolloutRun] = {}
+
+
+def start_runs(runs: dict[str, tuple[Callable, dict, str]], seed: int = 0) -> list[str]:
+    """On every rank: replace the live runs by ``{name: (initialize, config, pitfall)}``."""
+    LIVE_RUNS.clear()
+    for name, (initialize, config, pitfall) in runs.items():
+        LIVE_RUNS[name] = RolloutRun(initialize, config, seed, pitfall)
+    return list(LIVE_RUNS)
+
+
+def step_runs(step: int) -> dict[str, dict]:
+    """On every rank: one step of every live run (same order everywhere); metrics + params."""
+    return {name: {**run.step(step), "params": run.params()} for name, run in LIVE_RUNS.items()}
