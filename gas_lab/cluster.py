@@ -177,13 +177,15 @@ class Cluster:
         """End every rank process and the controller. Safe to call twice."""
         if self._ipp is None:
             return
+        # Ranks hold no state worth saving, and a rank stuck in a collective ignores a polite
+        # stop, so end them outright; then the controller.
+        _kill(self.pids)
         try:
             if self._client is not None:
                 self._client.close()
             self._ipp.stop_cluster_sync()
         except Exception:
             pass
-        _kill(self.pids)  # ranks stuck in C code may ignore the polite stop
         self._ipp = self._client = None
         self.pids = []
         shutil.rmtree(self._tmp, ignore_errors=True)
@@ -266,7 +268,6 @@ class Cluster:
         stalled = [r for r, f in ranked if not f.ready()]
         errors = {r: _error_text(f) for r, f in ranked if failed(f)}
         if stalled and restart:
-            _kill([self.pids[r] for r in stalled])  # stuck in C code: a polite stop would wait
             self.restart()  # a half-finished collective poisons the process group
         if errors:
             raise RankError(errors, stalled, restarted=bool(stalled) and restart)

@@ -13,7 +13,9 @@ import torch.distributed as dist
 
 def all_reduce_hello() -> dict:
     """Every rank contributes ``rank + 1``; after ``all_reduce`` every rank holds the sum."""
-    mine = torch.tensor([dist.get_rank() + 1.0])
+    # nccl moves GPU tensors only; gloo moves CPU tensors.
+    device = f"cuda:{torch.cuda.current_device()}" if dist.get_backend() == "nccl" else "cpu"
+    mine = torch.tensor([dist.get_rank() + 1.0], device=device)
     total = mine.clone()
     dist.all_reduce(total)  # default op: SUM, result lands on every rank
     return {"rank": dist.get_rank(), "sent": mine.item(), "received": total.item()}
@@ -53,11 +55,11 @@ def train_tiny_deepspeed(steps: int = 3, seed: int = 0, config: dict | None = No
     gen = torch.Generator().manual_seed(1000 + dist.get_rank())
     micro = engine.train_micro_batch_size_per_gpu()
     for _ in range(steps * engine.gradient_accumulation_steps()):
-        x = torch.randn(micro, 8, generator=gen)
+        x = torch.randn(micro, 8, generator=gen).to(engine.device)  # same data on CPU or GPU
         loss = (engine(x) - x.sum(dim=1, keepdim=True)).pow(2).mean()
         engine.backward(loss)
         engine.step()  # applies an update only on the accumulation boundary
-    flat = torch.cat([p.detach().flatten() for p in engine.module.parameters()])
+    flat = torch.cat([p.detach().flatten() for p in engine.module.parameters()]).cpu()
     return {
         "rank": dist.get_rank(),
         "params": flat,

@@ -29,7 +29,7 @@ def main() -> None:
     result = hello.train_tiny_deepspeed(steps=args.steps)
 
     # Every rank trained on different data; equal parameters mean the gradients were averaged.
-    params = result["params"]
+    params = result["params"].cuda() if backend == "nccl" else result["params"]
     others = [torch.empty_like(params) for _ in range(dist.get_world_size())]
     dist.all_gather(others, params)
     spread = max((p - params).abs().max().item() for p in others)
@@ -42,7 +42,7 @@ def main() -> None:
                     "world_size": dist.get_world_size(),
                     "all_reduce": greeting["received"],
                     "param_spread": spread,
-                    "params_sum": params.sum().item(),
+                    "params_sum": result["params"].sum().item(),
                     **summary,
                 }
             )
