@@ -191,16 +191,7 @@ def load_config(config: dict | GasConfig, world_size: int = 1) -> GasConfig:
     Raises ConfigError (a bad key or value), rules.RejectedCombination (a combination DeepSpeed
     refuses at initialize) or rules.NotImplementedInGasLab (fine in DeepSpeed, not taught here).
     """
-    if isinstance(config, GasConfig):
-        config = config.model_dump(exclude_unset=True)
-    if not isinstance(config, dict):
-        raise ConfigError("<config>", f"expected a dict, got {type(config).__name__}")
-    try:
-        cfg = GasConfig.model_validate(config)
-    except ValidationError as err:
-        raise _pydantic_to_config_error(err) from None
-    if cfg.optimizer is not None:
-        _check_optimizer(cfg.optimizer)
+    cfg = parse(config)
     batch = resolve_batch(
         cfg.train_batch_size,
         cfg.train_micro_batch_size_per_gpu,
@@ -213,6 +204,21 @@ def load_config(config: dict | GasConfig, world_size: int = 1) -> GasConfig:
     cfg.world_size = world_size
     # Model-independent rules; engine.initialize checks again once it knows the model.
     rules.enforce(rules.Situation(config=cfg), "initialize")
+    return cfg
+
+
+def parse(config: dict | GasConfig) -> GasConfig:
+    """Check keys and types only: no batch arithmetic, no rules (``rules.predict`` uses it)."""
+    if isinstance(config, GasConfig):
+        config = config.model_dump(exclude_unset=True)
+    if not isinstance(config, dict):
+        raise ConfigError("<config>", f"expected a dict, got {type(config).__name__}")
+    try:
+        cfg = GasConfig.model_validate(config)
+    except ValidationError as err:
+        raise _pydantic_to_config_error(err) from None
+    if cfg.optimizer is not None:
+        _check_optimizer(cfg.optimizer)
     return cfg
 
 

@@ -1,23 +1,34 @@
-"""The combinations gas_lab refuses, written down as data.
+"""The combinations DeepSpeed refuses, written down once, as data.
 
-DeepSpeed refuses some settings outright: most of them because, with
-``managed_gradient_accumulation=false``, the *caller* decides where the accumulation boundary
-is (every ``step()`` is one), and a feature that needs to know the boundary in advance can no
-longer know it. This module lists each refusal once: the condition, a reason a learner can
-follow, the moment it fires and what DeepSpeed 0.19.8 raises (measured, not copied from
-documentation). ``config.py`` and ``engine.py`` call :func:`enforce`; notebooks print
-:data:`RULES` as a table; tests run every :class:`Rule`'s example on gas_lab *and* on DeepSpeed.
+With ``"managed_gradient_accumulation": false`` the *caller* owns the accumulation boundary:
+every ``step()`` is one, and no ``backward()`` is. Any feature that does boundary-gated work
+*during* ``backward()`` (reduce in a hook, unscale, compile the reduction into the graph) would
+wait for a boundary that never comes there, so DeepSpeed refuses it. Each :class:`Rule` holds
+the condition, why it is refused, the silent failure it prevents, the moment it fires
+(``initialize``, ``call`` or ``context``: entering a with-block) and what DeepSpeed 0.19.8
+raises, measured by ``tools/measure_matrix.py`` into ``data/deepspeed_0.19.8_matrix.json``.
 
-A second list, :data:`OUT_OF_SCOPE`, names what DeepSpeed accepts but gas_lab does not teach
-(ZeRO-2/3, offload, pipelines, compilation, mixed precision): those raise
-:class:`NotImplementedInGasLab`, which points you back to DeepSpeed.
+* :data:`RULES`: the refusals gas_lab enforces itself, at the same moment as DeepSpeed
+  (``config.py`` and ``engine.py`` call :func:`enforce`).
+* :data:`DEEPSPEED_ONLY`: refusals DeepSpeed makes where gas_lab stops earlier (ZeRO-2/3, fp16
+  are out of scope) or does not look yet; kept for the table and for :func:`predict`.
+* :data:`OUT_OF_SCOPE`: what DeepSpeed accepts but gas_lab does not teach: those raise
+  :class:`NotImplementedInGasLab`, which points you to ``deepspeed.initialize``.
+
+:func:`predict` says, from the data alone, what DeepSpeed does with a config and a script of
+engine calls; ``tests/test_rules.py`` checks it against every measured case.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import copy
-from collections.abc import Callable
+import importlib.metadata
+import json
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 
@@ -26,14 +37,14 @@ class GasLabError(Exception):
 
 
 class RejectedCombination(GasLabError):
-    """A combination DeepSpeed rejects too; the message says why and what DeepSpeed raises."""
+    """A combination DeepSpeed rejects too; the message names the keys and says why."""
 
     def __init__(self, rule: Rule):
         self.rule = rule
         super().__init__(
-            f"{' + '.join(rule.keys)}: {rule.reason}\n"
-            f"  (DeepSpeed 0.19.8 raises {rule.deepspeed_raises} at {rule.moment}: "
-            f"{rule.deepspeed_message!r})"
+            f"{' + '.join(rule.keys)}: {rule.reason}\n  Silent failure prevented: {rule.prevents}"
+            f"\n  Refused as by DeepSpeed 0.19.8, which raises {rule.deepspeed_raises} at "
+            f"{rule.moment}: {rule.deepspeed_message!r}"
         )
 
 
@@ -46,7 +57,7 @@ class Situation:
     """What a rule looks at: the validated config and what the caller is doing right now."""
 
     config: Any  # a gas_lab.config.GasConfig (duck-typed so this module imports nothing)
-    action: str = "initialize"  # or an engine method: "step", "no_sync", ...
+    action: str = "initialize"  # or an engine call: "step", "no_sync", "tensor.backward", ...
     inside_no_sync: bool = False
     pipeline: bool = False  # the model is a DeepSpeed PipelineModule
 
@@ -60,17 +71,25 @@ class Example:
     pipeline: bool = False
 
 
+SAME = "same rejection, same moment"
+
+
 @dataclass(frozen=True)
 class Rule:
+    """One refusal: when it is checked, why, what it prevents, and what DeepSpeed raises."""
+
     name: str
-    moment: str  # "initialize", "call" (an engine method) or "context" (entering a with-block)
+    action: str  # what triggers the check: "initialize" or an engine call (Situation.action)
+    moment: str  # measured: "initialize", "call" (a method) or "context" (entering a with-block)
     keys: tuple[str, ...]  # the config keys or API calls involved, for the message
     condition: str  # one line, for tables
     reason: str  # why it is refused, for a learner
+    prevents: str  # the silent failure it prevents (lesson 06 measures each)
     deepspeed_raises: str  # the exception type DeepSpeed 0.19.8 raises (measured)
-    deepspeed_message: str  # its message (measured; tests check it is still a substring)
+    deepspeed_message: str  # the start of its message (measured; tests check it still is)
     example: Example
     applies: Callable[[Situation], bool] = field(repr=False, compare=False, default=None)
+    gas_lab: str = SAME  # what gas_lab does about it, when not the same rejection
 
 
 def _unmanaged(s: Situation) -> bool:
@@ -82,167 +101,187 @@ def _stage(s: Situation) -> int:
 
 
 UNMANAGED = {"managed_gradient_accumulation": False}
+_MGA = "managed_gradient_accumulation=false"
 
-RULES: list[Rule] = [
+# Config parsing first: where two apply, the measured matrix shows amp and fp16 win.
+_ALL: list[Rule] = [
     Rule(
-        name="apex_amp",
-        moment="initialize",
-        keys=("amp",),
-        condition='an "amp" block is present (managed or not)',
-        reason="NVIDIA Apex AMP was removed from DeepSpeed; older versions refused it only with "
-        "unmanaged accumulation, because Apex scales the loss per optimizer step and needs "
-        "the boundary in advance. Use bf16/fp16 or torch_autocast instead.",
-        deepspeed_raises="DeepSpeedConfigError",
-        deepspeed_message="NVIDIA Apex AMP integration has been removed.",
-        example=Example(config={**UNMANAGED, "amp": {"enabled": True}}),
-        applies=lambda s: s.config.amp is not None,
+        "apex_amp", "initialize", "initialize", ("amp",),
+        'an "amp" block, even {"enabled": false}, managed or not',
+        "Apex AMP was removed; DeepSpeed refuses the key itself. Before, it refused amp with "
+        "unmanaged accumulation: Apex unscales the accumulated gradients in the backward() of "
+        "the boundary micro-batch (delay_unscale on all others). Use bf16/fp16 instead.",
+        "unmanaged, no backward() is the boundary, so gradients are never unscaled: every "
+        "update is loss-scale times too large and overflows are never detected.",
+        "DeepSpeedConfigError", "NVIDIA Apex AMP integration has been removed.",
+        Example(config={**UNMANAGED, "amp": {"enabled": True}}),
+        lambda s: s.config.amp is not None,
     ),
     Rule(
-        name="unmanaged_overlap_comm",
-        moment="initialize",
-        keys=("managed_gradient_accumulation=false", "zero_optimization.overlap_comm"),
-        condition="unmanaged, ZeRO stage 0/1, overlap_comm true",
-        reason="overlap_comm starts reducing gradients during the last backward() of a step, so "
-        "it must know which backward() is the last one. Unmanaged, only the later step() "
-        "says so; at stage 0/1 the reduction waits for step() and there is nothing to overlap.",
-        deepspeed_raises="AssertionError",
-        deepspeed_message="managed_gradient_accumulation=False supports ZeRO overlap_comm only "
+        "fp16_on_cpu", "initialize", "initialize", ("fp16.enabled",),
+        "fp16 on a device without fp16 support (this CPU; a GPU accepts it)",
+        "DeepSpeed asks the accelerator whether it supports fp16. Not a boundary rule: a "
+        "device limit.",
+        "nothing silent: it is a hardware limit.",
+        "ValueError", "Type fp16 is not supported on your device.",
+        Example(config={"fp16": {"enabled": True}}),
+        lambda s: s.config.fp16.enabled,
+        gas_lab="out of scope at initialize (gas_lab trains in fp32)",
+    ),
+    Rule(
+        "max_grad_norm_param", "initialize", "initialize", ("optimizer.params.max_grad_norm",),
+        "max_grad_norm inside the optimizer params",
+        "DeepSpeed clips gradients itself, once per optimizer step, from the top-level "
+        "gradient_clipping key (default 1.0).",
+        "an optimizer-level max_grad_norm would be ignored: no clipping where you asked for it.",
+        "ValueError", "'max_grad_norm' is not supported as an optimizer parameter",
+        Example(config={"optimizer": {"type": "SGD", "params": {"lr": 0.1, "max_grad_norm": 1.0}}}),
+        lambda s: s.config.optimizer is not None
+        and s.config.optimizer.params.get("max_grad_norm") is not None,
+    ),
+    Rule(
+        "untested_zero_optimizer", "initialize", "initialize",
+        ("zero_optimization.stage>=1", "optimizer.type", "zero_allow_untested_optimizer"),
+        "ZeRO stage >= 1 with SGD and zero_allow_untested_optimizer false",
+        "ZeRO re-points the optimizer at flat shards of the parameters; DeepSpeed only vouches "
+        "for the Adam family there, so anything else needs an explicit opt-in.",
+        "an optimizer that keeps per-tensor state (shapes, norms) would silently see shards.",
+        "AssertionError", "You are using an untested ZeRO Optimizer.",
+        Example(config={"zero_optimization": {"stage": 1}, "optimizer": {"type": "SGD", "params": {}}}),
+        lambda s: _stage(s) >= 1 and s.config.optimizer is not None
+        and s.config.optimizer.type == "SGD" and not s.config.zero_allow_untested_optimizer,
+    ),
+    Rule(
+        "unmanaged_overlap_comm", "initialize", "initialize",
+        (_MGA, "zero_optimization.overlap_comm"),
+        "unmanaged, ZeRO stage 0/1, overlap_comm true",
+        "overlap_comm reduces from hooks that fire during backward(), and only in the backward() "
+        "of the boundary micro-batch; step() then trusts that they did. Unmanaged, the boundary "
+        "exists only inside step(). (The message says 'only with ZeRO stage 2': stage 3 is "
+        "accepted too; at stage 0, which ignores overlap_comm, it is refused all the same.)",
+        "ZeRO-1 updates each rank's partition from that rank's local, un-averaged gradient; the "
+        "all-gather then makes every rank agree on the wrong weights.",
+        "AssertionError", "managed_gradient_accumulation=False supports ZeRO overlap_comm only "
         "with ZeRO stage 2",
-        example=Example(config={**UNMANAGED, "zero_optimization": {"overlap_comm": True}}),
-        applies=lambda s: _unmanaged(s) and _stage(s) < 2 and s.config.zero_optimization.overlap,
+        Example(config={**UNMANAGED, "zero_optimization": {"overlap_comm": True}}),
+        lambda s: _unmanaged(s) and _stage(s) < 2 and s.config.zero_optimization.overlap,
     ),
     Rule(
-        name="unmanaged_pipeline",
-        moment="initialize",
-        keys=("managed_gradient_accumulation=false", "PipelineModule"),
-        condition="unmanaged with a pipeline-parallel model",
-        reason="The pipeline engine runs its own schedule of gradient_accumulation_steps "
-        "micro-batches inside train_batch(); the schedule owns the boundary, the caller cannot.",
-        deepspeed_raises="AssertionError",
-        deepspeed_message="managed_gradient_accumulation=False is not supported with pipeline "
+        "unmanaged_pipeline", "initialize", "initialize", (_MGA, "PipelineModule"),
+        "unmanaged with a pipeline-parallel model",
+        "The pipeline engine runs its own schedule of gradient_accumulation_steps micro-batches "
+        "inside train_batch(); its backward() and step() cannot be called. The schedule owns "
+        "the boundary, so the caller cannot.",
+        "your loop's number of micro-batches would be ignored: every step would run exactly "
+        "gradient_accumulation_steps of them.",
+        "AssertionError", "managed_gradient_accumulation=False is not supported with pipeline "
         "parallelism",
-        example=Example(config=UNMANAGED, pipeline=True),
-        applies=lambda s: _unmanaged(s) and s.pipeline,
+        Example(config=UNMANAGED, pipeline=True),
+        lambda s: _unmanaged(s) and s.pipeline,
     ),
     Rule(
-        name="unmanaged_deepcompile",
-        moment="initialize",
-        keys=("managed_gradient_accumulation=false", "compile.deepcompile"),
-        condition="unmanaged with DeepCompile",
-        reason="DeepCompile compiles the gradient reduction into the backward graph, deciding "
-        "per backward() from the managed micro-step counter; it cannot wait for a step().",
-        deepspeed_raises="AssertionError",
-        deepspeed_message="managed_gradient_accumulation=False is not supported with DeepCompile",
-        example=Example(config={**UNMANAGED, "compile": {"deepcompile": True}}),
-        applies=lambda s: _unmanaged(s) and s.config.compile.deepcompile,
+        "unmanaged_deepcompile", "initialize", "initialize", (_MGA, "compile.deepcompile"),
+        "unmanaged with DeepCompile",
+        "DeepCompile compiles the gradient reduction into the backward graph (and switches the "
+        "engine's own reduction off); whether a backward() reduces is decided from the boundary "
+        "when it starts. Unmanaged, no backward() is the boundary.",
+        "nothing is ever reduced: every rank updates from its own local gradient and the "
+        "replicas drift apart.",
+        "AssertionError", "managed_gradient_accumulation=False is not supported with DeepCompile",
+        Example(config={**UNMANAGED, "compile": {"deepcompile": True}}),
+        lambda s: _unmanaged(s) and s.config.compile.deepcompile,
     ),
     Rule(
-        name="max_grad_norm_param",
-        moment="initialize",
-        keys=("optimizer.params.max_grad_norm",),
-        condition="max_grad_norm inside the optimizer params",
-        reason="DeepSpeed clips gradients itself, once per optimizer step, from the top-level "
-        "gradient_clipping key (default 1.0); an optimizer-level max_grad_norm would be ignored.",
-        deepspeed_raises="ValueError",
-        deepspeed_message="'max_grad_norm' is not supported as an optimizer parameter",
-        example=Example(
-            config={"optimizer": {"type": "SGD", "params": {"lr": 0.1, "max_grad_norm": 1.0}}}
-        ),
-        applies=lambda s: (
-            s.config.optimizer is not None
-            and s.config.optimizer.params.get("max_grad_norm") is not None
-        ),
-    ),
-    Rule(
-        name="untested_zero_optimizer",
-        moment="initialize",
-        keys=("zero_optimization.stage>=1", "optimizer.type", "zero_allow_untested_optimizer"),
-        condition="ZeRO stage >= 1 with SGD and zero_allow_untested_optimizer false",
-        reason="ZeRO re-points the optimizer at flat shards of the parameters; DeepSpeed only "
-        "vouches for the Adam family there, so anything else needs an explicit opt-in.",
-        deepspeed_raises="AssertionError",
-        deepspeed_message="You are using an untested ZeRO Optimizer.",
-        example=Example(
-            config={"zero_optimization": {"stage": 1}, "optimizer": {"type": "SGD", "params": {}}},
-        ),
-        applies=lambda s: (
-            _stage(s) >= 1
-            and s.config.optimizer is not None
-            and s.config.optimizer.type == "SGD"
-            and not s.config.zero_allow_untested_optimizer
-        ),
-    ),
-    Rule(
-        name="unmanaged_set_boundary",
-        moment="call",
-        keys=("managed_gradient_accumulation=false", "set_gradient_accumulation_boundary()"),
-        condition="unmanaged, set_gradient_accumulation_boundary() called",
-        reason="Unmanaged, every step() is the boundary; a second way to set it would contradict "
-        "the first. Call step() when you want the reduction and the update.",
-        deepspeed_raises="AssertionError",
-        deepspeed_message="set_gradient_accumulation_boundary() is not supported with "
+        "unmanaged_set_boundary", "set_gradient_accumulation_boundary", "call",
+        (_MGA, "set_gradient_accumulation_boundary()"),
+        "unmanaged, set_gradient_accumulation_boundary(True or False)",
+        "Unmanaged, every step() is the boundary; an override contradicts it both ways.",
+        "False: step() neither reduces nor updates while micro_steps advances, so training "
+        "silently stops. True: every backward() reduces and step() reduces again: N+1 "
+        "reductions instead of 1.",
+        "AssertionError", "set_gradient_accumulation_boundary() is not supported with "
         "managed_gradient_accumulation=False",
-        example=Example(config=UNMANAGED, action="set_boundary"),
-        applies=lambda s: _unmanaged(s) and s.action == "set_gradient_accumulation_boundary",
+        Example(config=UNMANAGED, action="set_boundary"),
+        _unmanaged,
     ),
     Rule(
-        name="unmanaged_coalesce",
-        moment="call",
-        keys=("managed_gradient_accumulation=false", "coalesce_grad_reduction()"),
-        condition="unmanaged, coalesce_grad_reduction() entered",
-        reason="coalesce_grad_reduction() defers the reduction to the end of a block of "
-        "backward() calls; unmanaged, step() already does exactly that.",
-        deepspeed_raises="AssertionError",
-        deepspeed_message="coalesce_grad_reduction is not supported with "
+        "unmanaged_coalesce", "coalesce_grad_reduction", "context",
+        (_MGA, "coalesce_grad_reduction()"),
+        "unmanaged, entering coalesce_grad_reduction() (any stage)",
+        "coalesce_grad_reduction() is managed mode's way to defer the reduction to the end of a "
+        "block of backward() calls; unmanaged, step() already defers it.",
+        "the flush at the end of the block and step() would both reduce the same gradients.",
+        "AssertionError", "coalesce_grad_reduction is not supported with "
         "managed_gradient_accumulation=False",
-        example=Example(config=UNMANAGED, action="coalesce"),
-        applies=lambda s: _unmanaged(s) and s.action == "coalesce_grad_reduction",
+        Example(config=UNMANAGED, action="coalesce"),
+        _unmanaged,
     ),
     Rule(
-        name="coalesce_stage0",
-        moment="call",
-        keys=("zero_optimization.stage=0", "coalesce_grad_reduction()"),
-        condition="managed, ZeRO stage 0, coalesce_grad_reduction() entered",
-        reason="Coalescing is implemented by the ZeRO optimizers; at stage 0 use no_sync() "
-        "around all but the last backward() instead.",
-        deepspeed_raises="NotImplementedError",
-        deepspeed_message="coalesce_grad_reduction requires ZeRO stage 1/2/3, got stage 0",
-        example=Example(action="coalesce"),
-        applies=lambda s: (
-            not _unmanaged(s) and _stage(s) == 0 and s.action == "coalesce_grad_reduction"
-        ),
+        "coalesce_stage0", "coalesce_grad_reduction", "context",
+        ("zero_optimization.stage=0", "coalesce_grad_reduction()"),
+        "managed, ZeRO stage 0, entering coalesce_grad_reduction()",
+        "Coalescing is implemented inside the ZeRO optimizers; at stage 0 put no_sync() around "
+        "all but the last backward() instead.",
+        "nothing silent: the feature does not exist at stage 0.",
+        "NotImplementedError", "coalesce_grad_reduction requires ZeRO stage 1/2/3, got stage 0",
+        Example(action="coalesce"),
+        lambda s: _stage(s) == 0,
     ),
     Rule(
-        name="step_in_no_sync",
-        moment="call",
-        keys=("no_sync()", "step()"),
-        condition="step() called inside no_sync()",
-        reason="no_sync() means 'do not reduce yet', but step() updates the weights from the "
-        "reduced gradients: each rank would apply its own, different update.",
-        deepspeed_raises="AssertionError",
-        deepspeed_message="It is illegal to call Engine.step() inside no_sync context manager",
-        example=Example(action="step_in_no_sync"),
-        applies=lambda s: s.action == "step" and s.inside_no_sync,
+        "no_sync_stage23", "no_sync", "context", ("zero_optimization.stage>=2", "no_sync()"),
+        "entering no_sync() at ZeRO stage 2 or 3",
+        "ZeRO-2/3 reduce-scatter each gradient while backward() runs, to free it; there is no "
+        "full local gradient to keep aside.",
+        "nothing silent: no_sync() cannot be honoured.",
+        "AssertionError", "no_sync context manager is incompatible with gradient partitioning",
+        Example(config={"zero_optimization": {"stage": 2}}, action="no_sync_twice"),
+        lambda s: _stage(s) >= 2,
+        gas_lab="refused earlier, at initialize: ZeRO-2/3 are out of scope",
     ),
     Rule(
-        name="no_sync_twice",
-        moment="context",
-        keys=("no_sync()", "no_sync()"),
-        condition="no_sync() entered while already inside no_sync()",
-        reason="Leaving the inner block would switch reduction back on while the outer block "
-        "still expects it off.",
-        deepspeed_raises="AssertionError",
-        deepspeed_message="no_sync context manager reentry is unsupported",
-        example=Example(action="no_sync_twice"),
-        applies=lambda s: s.action == "no_sync" and s.inside_no_sync,
+        "no_sync_twice", "no_sync", "context", ("no_sync()", "no_sync()"),
+        "no_sync() entered while already inside no_sync()",
+        "Leaving the inner block switches reduction back on while the outer block still "
+        "expects it off.",
+        "the next backward() inside the outer block would reduce (or the boundary would not).",
+        "AssertionError", "no_sync context manager reentry is unsupported",
+        Example(action="no_sync_twice"),
+        lambda s: s.inside_no_sync,
     ),
-]
+    Rule(
+        "step_in_no_sync", "step", "call", ("no_sync()", "step()"),
+        "step() called inside no_sync()",
+        "no_sync() means 'do not reduce yet', but step() updates the weights from reduced "
+        "gradients.",
+        "each rank would apply its own, un-averaged update: the replicas drift apart.",
+        "AssertionError", "It is illegal to call Engine.step() inside no_sync context manager",
+        Example(action="step_in_no_sync"),
+        lambda s: s.inside_no_sync,
+    ),
+    Rule(
+        "tensor_backward_stage0", "tensor.backward", "call", ("zero_optimization.stage=0",
+        "loss.backward()"),
+        "loss.backward() instead of engine.backward(loss) at ZeRO stage 0",
+        "At stage 0 DeepSpeed divides by GAS and reduces only inside engine.backward(); it "
+        "cannot follow a direct loss.backward(). (Stage 1-3 hook the model output and accept it.)",
+        "gradients would be neither divided by GAS nor reduced: the replicas drift apart.",
+        "RuntimeError", "Direct calls to tensor.backward() are not supported",
+        Example(action="tensor_backward"),
+        lambda s: _stage(s) == 0,
+        gas_lab="not detected yet: gas_lab's engine does not hook the model output",
+    ),
+]  # fmt: skip
+
+RULES: list[Rule] = [r for r in _ALL if r.gas_lab == SAME]
+DEEPSPEED_ONLY: list[Rule] = [r for r in _ALL if r.gas_lab != SAME]
 
 
 @dataclass(frozen=True)
 class OutOfScope:
+    """Something DeepSpeed accepts that gas_lab leaves out; ``pointer`` says where to go."""
+
     name: str
-    moment: str
+    action: str
     condition: str
     pointer: str  # where to go instead
     applies: Callable[[Situation], bool] = field(repr=False, compare=False, default=None)
@@ -250,60 +289,204 @@ class OutOfScope:
 
 OUT_OF_SCOPE: list[OutOfScope] = [
     OutOfScope(
-        "zero_stage_2_3",
-        "initialize",
-        "zero_optimization.stage 2 or 3",
+        "zero_stage_2_3", "initialize", "zero_optimization.stage 2 or 3",
         "ZeRO-2/3 partition gradients/parameters; use deepspeed.initialize for them.",
         lambda s: _stage(s) >= 2,
     ),
     OutOfScope(
-        "offload",
-        "initialize",
-        "zero_optimization.offload_optimizer / offload_param with a device",
+        "offload", "initialize", "zero_optimization.offload_optimizer / offload_param",
         "CPU/NVMe offload is DeepSpeed-only; use deepspeed.initialize.",
         lambda s: s.config.zero_optimization.offloads(),
     ),
     OutOfScope(
-        "pipeline",
-        "initialize",
-        "a PipelineModule model",
+        "pipeline", "initialize", "a PipelineModule model",
         "Pipeline parallelism is DeepSpeed-only (deepspeed.pipe); use deepspeed.initialize.",
         lambda s: s.pipeline,
     ),
     OutOfScope(
-        "deepcompile",
-        "initialize",
-        "compile.deepcompile true",
+        "deepcompile", "initialize", "compile.deepcompile true",
         "DeepCompile is DeepSpeed-only; use deepspeed.initialize.",
         lambda s: s.config.compile.deepcompile,
     ),
     OutOfScope(
-        "mixed_precision",
-        "initialize",
-        "bf16.enabled or fp16.enabled",
+        "mixed_precision", "initialize", "bf16.enabled or fp16.enabled",
         "gas_lab trains in fp32 so results compare exactly; use deepspeed.initialize for bf16/fp16.",
         lambda s: s.config.bf16.enabled or s.config.fp16.enabled,
     ),
     OutOfScope(
-        "coalesce_zero",
-        "call",
-        "coalesce_grad_reduction() at ZeRO stage >= 1",
+        "coalesce_zero", "coalesce_grad_reduction", "coalesce_grad_reduction() at ZeRO stage >= 1",
         "Coalesced ZeRO reduction is DeepSpeed-only; use deepspeed.initialize.",
-        lambda s: s.action == "coalesce_grad_reduction" and _stage(s) >= 1,
+        lambda s: _stage(s) >= 1,
     ),
-]
+]  # fmt: skip
+
+# Names of rules switched off for the current context: only gas_lab.unsafe sets it.
+_SKIPPED: contextvars.ContextVar[frozenset] = contextvars.ContextVar("skipped", default=frozenset())
 
 
-def enforce(situation: Situation, moment: str) -> None:
-    """Raise for the first rule, then the first out-of-scope entry, that applies now."""
-    for rule in RULES:
-        if rule.moment == moment and rule.applies(situation):
-            raise RejectedCombination(rule)
-    for item in OUT_OF_SCOPE:
-        if item.moment == moment and item.applies(situation):
-            raise NotImplementedInGasLab(
-                f"{item.condition} is out of gas_lab's scope. {item.pointer}"
-            )
+@contextlib.contextmanager
+def skipping(names: Iterable[str]):
+    """Switch rules (or out-of-scope entries) off inside the block. For gas_lab.unsafe only."""
+    token = _SKIPPED.set(_SKIPPED.get() | frozenset(names))
+    try:
+        yield
+    finally:
+        _SKIPPED.reset(token)
+
+
+def first_violation(situation: Situation, entries: Iterable = RULES) -> Rule | OutOfScope | None:
+    """The first of ``entries`` that fires for this situation, skipped ones left out."""
+    skipped = _SKIPPED.get()
+    for rule in entries:
+        if rule.name not in skipped and rule.action == situation.action and rule.applies(situation):
+            return rule
+    return None
+
+
+def enforce(situation: Situation, moment: str | None = None) -> None:
+    """Raise for the first rule, then the first out-of-scope entry, that applies now.
+
+    Rules are matched by ``situation.action`` (which call is happening); ``moment`` only says
+    where the caller is, for readers of the calling code.
+    """
+    rule = first_violation(situation, RULES)
+    if rule is not None:
+        raise RejectedCombination(rule)
+    item = first_violation(situation, OUT_OF_SCOPE)
+    if item is not None:
+        raise NotImplementedInGasLab(f"{item.condition} is out of gas_lab's scope. {item.pointer}")
+
+
+# What each op of tools/measure_matrix.py calls on the engine (ops not listed check nothing).
+OP_ACTIONS = {
+    "set_boundary_true": "set_gradient_accumulation_boundary",
+    "set_boundary_false": "set_gradient_accumulation_boundary",
+    "enter_no_sync": "no_sync",
+    "enter_coalesce": "coalesce_grad_reduction",
+    "step": "step",
+    "tensor_backward": "tensor.backward",
+}
+
+
+def predict(config: dict, ops: Sequence[str] = (), pipeline: bool = False):
+    """What DeepSpeed 0.19.8 does (on the CPU accelerator, as measured), from this module's
+    data alone: ``(rule, op)`` for the first refusal (``op`` is "initialize" or one of
+    ``ops``, the op names of ``tools/measure_matrix.py``), or ``(None, None)`` if it runs.
+
+    Raises ``config.ConfigError`` for configs gas_lab refuses to parse (DeepSpeed is more
+    lenient: it ignores unknown keys and takes ``"no"`` for true).
+    """
+    from gas_lab.config import parse  # config imports this module: import late
+
+    cfg = parse(config)
+    inside = False
+    for op in ("initialize", *ops):
+        action = OP_ACTIONS.get(op, op)
+        rule = first_violation(Situation(cfg, action, inside, pipeline), _ALL)
+        if rule is not None:
+            return rule, op
+        if op in ("enter_no_sync", "enter_coalesce"):
+            inside = True
+        elif op in ("exit_no_sync", "exit_coalesce"):
+            inside = False
+    return None, None
+
+
+# ------------------------------------------------------------------ accepted, but silently wrong
+@dataclass(frozen=True)
+class Loop:
+    """The facts about a training loop that the traps below look at."""
+
+    micro_batches: tuple[int, ...] = ()  # backward() calls per step on each rank; () = GAS
+    scale_wrt_gas: bool = True  # engine.backward(loss, scale_wrt_gas=...)
+    backward: str = "engine"  # "engine": engine.backward(loss); "tensor": loss.backward()
+    loss_divisor: str = "none"  # "none", "local" (own N) or "global" (all ranks' N / W)
+
+
+@dataclass(frozen=True)
+class Trap:
+    """A combination DeepSpeed accepts that still trains wrong, and the rule that avoids it."""
+
+    name: str
+    condition: str
+    symptom: str  # what goes wrong, measured on DeepSpeed in lesson 06
+    fix: str  # the one-line rule that avoids it
+    applies: Callable[[dict, Loop], bool] = field(repr=False, compare=False, default=None)
+
+
+def _raw_unmanaged(config: dict) -> bool:
+    return config.get("managed_gradient_accumulation", True) is False
+
+
+def _misspelt_managed(config: dict) -> bool:
+    """A value DeepSpeed reads as true but is not True, or a near-miss of the key's name."""
+    value = config.get("managed_gradient_accumulation", True)
+    wrong_value = not isinstance(value, bool) and bool(value)
+    return wrong_value or any(
+        k != "managed_gradient_accumulation" and "managed" in k for k in config
+    )
+
+
+def _uneven(config: dict, loop: Loop) -> bool:
+    return len(set(loop.micro_batches)) > 1
+
+
+def _zero_stage(config: dict) -> int:
+    return config.get("zero_optimization", {}).get("stage", 0)
+
+
+TRAPS: list[Trap] = [
+    Trap(
+        "managed_flag_not_false", 'managed_gradient_accumulation misspelt, or not the bool false',
+        "DeepSpeed ignores unknown keys and takes any truthy value (\"no\") as true: the run is "
+        "silently *managed*, and step() updates only every gradient_accumulation_steps calls.",
+        "right after initialize: assert engine.managed_gradient_accumulation() is False",
+        lambda c, loop: _misspelt_managed(c),
+    ),
+    Trap(
+        "n_not_gas_default_scaling", "unmanaged, N != gradient_accumulation_steps, default scaling",
+        "backward() still divides every loss by gradient_accumulation_steps: the gradient is "
+        "N/GAS times the mean.",
+        "unmanaged: backward(loss, scale_wrt_gas=False) and normalize the loss yourself",
+        lambda c, loop: _raw_unmanaged(c) and loop.scale_wrt_gas and any(
+            n != c.get("gradient_accumulation_steps", 1) for n in loop.micro_batches),
+    ),
+    Trap(
+        "uneven_n_zero01", "unmanaged, ZeRO 0/1, ranks run different N, no global count",
+        "it runs; but each rank's micro-batches weigh 1/(W*N_rank) (or 1/(W*GAS)) instead of "
+        "1/N_total, and global_samples differs from rank to rank.",
+        "all-reduce N (or the token count) before the first backward(); divide by it, times W",
+        lambda c, loop: _raw_unmanaged(c) and _zero_stage(c) < 2 and _uneven(c, loop)
+        and loop.loss_divisor != "global",
+    ),
+    Trap(
+        "uneven_n_zero23", "unmanaged, ZeRO 2/3, ranks run different N",
+        "ZeRO-2/3 reduce inside every backward(): a rank with more backward() calls waits in a "
+        "collective the others never join: the job hangs or dies.",
+        "at ZeRO-2/3 every rank calls backward() the same number of times per step",
+        lambda c, loop: _raw_unmanaged(c) and _zero_stage(c) >= 2 and _uneven(c, loop),
+    ),
+    Trap(
+        "tensor_backward_counts", "unmanaged, ZeRO >= 1, loss.backward() instead of engine's",
+        "the gradients are right (DeepSpeed hooks the model output), but global_samples counts "
+        "only engine.backward() calls: it stays 0.",
+        "always call engine.backward(loss)",
+        lambda c, loop: _raw_unmanaged(c) and _zero_stage(c) >= 1 and loop.backward == "tensor",
+    ),
+]  # fmt: skip
+
+
+def traps(config: dict, loop: Loop) -> list[Trap]:
+    """The traps an accepted config and loop fall into (empty: nothing known to go wrong)."""
+    return [t for t in TRAPS if t.applies(config, loop)]
+
+
+def measured_matrix(path: str | Path | None = None) -> dict:
+    """The matrix measured on the installed DeepSpeed version (``data/`` in the repository)."""
+    if path is None:
+        version = importlib.metadata.version("deepspeed")  # without importing it (slow)
+        path = Path(__file__).resolve().parents[1] / "data" / f"deepspeed_{version}_matrix.json"
+    return json.loads(Path(path).read_text())
 
 
 def example_config(rule: Rule, base: dict) -> dict:
@@ -330,14 +513,28 @@ def merge(base: dict, overrides: dict) -> dict:
 
 
 def table() -> list[dict]:
-    """The rules as rows (for a notebook table or the docs)."""
+    """Every refusal as a row (for the notebook's table and the docs page)."""
     return [
         {
             "rule": r.name,
             "when": r.moment,
             "condition": r.condition,
             "why": r.reason,
+            "silent failure it prevents": r.prevents,
             "DeepSpeed raises": f"{r.deepspeed_raises}: {r.deepspeed_message}",
+            "gas_lab": r.gas_lab,
         }
-        for r in RULES
+        for r in _ALL
     ]
+
+
+def table_markdown(rows: list[dict] | None = None) -> str:
+    """:func:`table` as a markdown table."""
+    rows = table() if rows is None else rows
+    cols = list(rows[0])
+
+    def cell(value) -> str:
+        return str(value).replace("|", "\\|").replace("\n", " ")
+
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    return "\n".join(lines + ["| " + " | ".join(cell(r[c]) for c in cols) + " |" for r in rows])

@@ -186,6 +186,9 @@ def test_out_of_scope_points_to_deepspeed(extra):
 
 def test_rules_table_is_complete():
     rows = rules.table()
-    assert len(rows) == len(rules.RULES) >= 7
+    assert len(rows) == len(rules.RULES) + len(rules.DEEPSPEED_ONLY)
+    assert len(rules.RULES) >= 7
+    assert [r["rule"] for r in rows if r["gas_lab"] == rules.SAME] == [r.name for r in rules.RULES]
     for row in rows:
-        assert row["why"].strip() and row["when"] in ("initialize", "call", "context")
+        assert row["why"].strip() and row["silent failure it prevents"].strip()
+        assert row["when"] in ("initialize", "call", "context")

@@ -1,0 +1,170 @@
+"""UNSAFE TEACHING MODE: switch a rule off and measure the silent failure it prevents.
+
+Never train with this. Lesson 06 uses it to show *why* each refusal in :mod:`gas_lab.rules`
+exists: with the check skipped, the run completes without an error, and only a measurement
+(ranks drifting apart, distance from the reference, a count of all-reduces) shows the damage.
+
+:func:`initialize` builds gas_lab's engine with the named rules skipped, plus the
+boundary-gated work DeepSpeed would do for the feature the rule was guarding:
+
+* ``overlap_comm`` at ZeRO >= 1 and ``DeepCompile`` reduce *inside backward()*, and only in
+  the backward() of the boundary micro-batch; step() then trusts that they did.
+* Apex ``amp`` multiplies the loss by a loss scale and divides the gradients by it again only
+  in the backward() of the boundary micro-batch (``delay_unscale`` on all the others).
+* like DeepSpeed's engine, step() reduces only at a boundary and never inside ``no_sync()``.
+
+Unmanaged, no backward() is a boundary, so each of these quietly never happens.
+:func:`deepspeed_initialize` does the same to *real* DeepSpeed, so the lesson can check that
+this model of the failure matches what DeepSpeed itself would have done.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+
+from gas_lab import engine as gas_engine
+from gas_lab import rules
+from gas_lab.config import load_config
+
+BANNER = "UNSAFE TEACHING MODE: rules skipped: {}. Never train with this engine."
+# Skipping a rule about a feature gas_lab leaves out also lets that feature past scope checks.
+_ALSO_SKIP = {"unmanaged_deepcompile": {"deepcompile"}}
+
+
+class _GatedReduction:
+    """Wraps the engine's update strategy: decides whether a reduction really happens."""
+
+    def __init__(self, inner, engine: UnsafeEngine):
+        self.inner, self.engine = inner, engine
+        self.optimizer = inner.optimizer
+        self.done = self.skipped = 0  # reductions run / reductions a feature swallowed
+
+    def reduce_gradients(self) -> None:
+        e = self.engine
+        if e._inside_step:  # unmanaged step(): DeepSpeed reduces only at a boundary, outside
+            # no_sync(), and not at all when a feature owns the reduction inside backward()
+            wanted = e.is_gradient_accumulation_boundary() and not e.inside_no_sync_ctxt
+            if not wanted or e.reduces_in_backward_only:
+                self.skipped += 1
+                return
+        self.done += 1
+        self.inner.reduce_gradients()
+
+    def update(self) -> bool:
+        return self.inner.update()
+
+
+class UnsafeEngine(gas_engine.Engine):
+    """gas_lab's engine with ``skipped`` rules off and the skipped features' backward() work."""
+
+    def __init__(self, module, optimizer, config, group, strategy_cls, skipped, loss_scale):
+        super().__init__(module, optimizer, config, group, strategy_cls)
+        self.skipped = frozenset(skipped)
+        zero = config.zero_optimization
+        # At stage 0 DeepSpeed ignores overlap_comm (there is no ZeRO optimizer to overlap).
+        self.reduces_in_backward_only = (zero.overlap and zero.stage >= 1) or (
+            config.compile.deepcompile
+        )
+        self.loss_scale = loss_scale if config.amp is not None else None
+        self._update = _GatedReduction(self._update, self)
+
+    @property
+    def reductions(self) -> dict[str, int]:
+        return {"done": self._update.done, "skipped": self._update.skipped}
+
+    def backward(self, loss, retain_graph=False, scale_wrt_gas=True):
+        boundary = self.is_gradient_accumulation_boundary() and not self.inside_no_sync_ctxt
+        if self.loss_scale is not None:
+            loss = loss * self.loss_scale  # Apex: scale up so small fp16 gradients survive
+        with rules.skipping(self.skipped):
+            out = super().backward(loss, retain_graph=retain_graph, scale_wrt_gas=scale_wrt_gas)
+        if self.loss_scale is not None:
+            if boundary:  # Apex unscales only when it is told this backward() ends the step
+                for p in self.module.parameters():
+                    if p.grad is not None:
+                        p.grad.div_(self.loss_scale)
+            out = out / self.loss_scale
+        return out
+
+    def step(self, lr_kwargs=None):
+        with rules.skipping(self.skipped):
+            return super().step(lr_kwargs)
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        with rules.skipping(self.skipped):
+            super().set_gradient_accumulation_boundary(is_boundary)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        with rules.skipping(self.skipped):
+            block = super().no_sync()
+            block.__enter__()
+        try:
+            yield
+        finally:
+            block.__exit__(None, None, None)
+
+
+def initialize(
+    model, config: dict, skip: Iterable[str], loss_scale: float = 2.0**16, group=None, quiet=False
+):
+    """gas_lab's ``initialize`` with the rules named in ``skip`` switched off (UNSAFE).
+
+    Returns ``(engine, optimizer, None, None)`` like :func:`gas_lab.initialize`.
+    ``loss_scale`` is the Apex-style scale used when the config has an ``amp`` block.
+    """
+    skip = set(skip)
+    known = {r.name for r in rules.RULES} | {o.name for o in rules.OUT_OF_SCOPE}
+    if skip - known:
+        raise ValueError(f"unknown rules {sorted(skip - known)}; choose from {sorted(known)}")
+    for name in list(skip):
+        skip |= _ALSO_SKIP.get(name, set())
+    group = group if group is not None else gas_engine._default_group()
+    world_size = dist.get_world_size(group) if group is not None else 1
+    with rules.skipping(skip):
+        cfg = load_config(config, world_size=world_size)
+    if cfg.amp is not None and cfg.zero_optimization.stage > 0:
+        raise ValueError("Apex AMP never worked with ZeRO; model it at stage 0 only")
+    optimizer = cfg.optimizer.torch_optimizer(model.parameters())
+    strategy = gas_engine._strategy_for(cfg.zero_optimization.stage)
+    engine = UnsafeEngine(model, optimizer, cfg, group, strategy, skip, loss_scale)
+    if not quiet and (group is None or dist.get_rank(group) == 0):
+        print(BANNER.format(", ".join(sorted(skip))))
+    return engine, engine.optimizer, None, None
+
+
+def deepspeed_initialize(model, config: dict):
+    """Real ``deepspeed.initialize`` with its unmanaged-mode checks bypassed (UNSAFE).
+
+    DeepSpeed checks ``managed_gradient_accumulation`` once, at initialize: build the engine
+    as managed, then switch the flag. Use :func:`pretend_managed` around later calls.
+    """
+    from gas_lab.parity import deepspeed_initialize as ds_initialize
+
+    unmanaged = config.get("managed_gradient_accumulation", True) is False
+    config = {**config, "managed_gradient_accumulation": True}
+    engine, optimizer, _, scheduler = ds_initialize()(
+        model=model, model_parameters=model.parameters(), config=config
+    )
+    engine._config.managed_gradient_accumulation = not unmanaged
+    return engine, optimizer, None, scheduler
+
+
+@contextlib.contextmanager
+def pretend_managed(ds_engine):
+    """Inside the block a DeepSpeed engine looks managed, so call-time checks let it pass."""
+    saved = ds_engine._config.managed_gradient_accumulation
+    ds_engine._config.managed_gradient_accumulation = True
+    try:
+        yield
+    finally:
+        ds_engine._config.managed_gradient_accumulation = saved
+
+
+def params_spread(flat_per_rank: list[torch.Tensor]) -> float:
+    """How far the ranks' replicas are apart: max |rank r - rank 0| over all parameters."""
+    return max((f - flat_per_rank[0]).abs().max().item() for f in flat_per_rank)

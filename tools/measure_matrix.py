@@ -1,0 +1,266 @@
+"""Measure which combinations DeepSpeed accepts and rejects, and when, on 2 CPU ranks.
+
+    .venv/bin/python tools/measure_matrix.py            # writes data/deepspeed_<version>_matrix.json
+
+Every case is a config plus a small script of operations ("ops") run after ``initialize``:
+``backward`` (forward + ``engine.backward(loss)``), ``tensor_backward`` (forward +
+``loss.backward()``), ``step``, ``set_boundary_true``/``set_boundary_false``,
+``enter_no_sync``/``exit_no_sync``, ``enter_coalesce``/``exit_coalesce`` and ``train_batch``
+(pipelines). For each case the file records: accepted or rejected, the exception type and
+message, the op that raised and its moment (``initialize``, ``call`` or ``context``: entering a
+with-block), and for accepted cases what DeepSpeed actually built (the optimizer class, the
+effective ``managed_gradient_accumulation``) and its counters at the end.
+
+The same :func:`run_case` runs a case on gas_lab (``tests/test_rules.py``), so both libraries
+are driven by the same ops. ``tests/test_matrix.py`` re-measures a subset against the installed
+DeepSpeed, so an upgrade that changes the matrix fails loudly.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+GAS = 2  # gradient_accumulation_steps of every case
+BASE = {
+    "train_micro_batch_size_per_gpu": 2,
+    "gradient_accumulation_steps": GAS,
+    # torch's Adam: ZeRO vouches for it, and it needs no JIT build (not even with CPU offload).
+    "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}},
+    "steps_per_print": 10**9,  # keep the logs quiet
+}
+TRAIN = {  # one optimizer step; unmanaged runs 3 micro-batches on purpose (N != GAS is allowed)
+    True: ["backward", "step", "backward", "step"],
+    False: ["backward", "backward", "backward", "step"],
+}
+MOMENT = {"initialize": "initialize", "enter_no_sync": "context", "enter_coalesce": "context"}
+NOTES = [  # choices made when measuring, written into the file
+    "Adam with torch_adam: true everywhere. With offload_optimizer device cpu DeepSpeed then "
+    "wraps torch.optim.AdamW, so no cpu_adam JIT build (minutes) is needed; DeepSpeedCPUAdam "
+    "itself is not exercised.",
+    "fp16 is refused at initialize because this CPU reports no fp16 support (DeepSpeed's CPU "
+    "accelerator asks oneDNN): a device check, accepted on devices with fp16.",
+    "bf16 engines get their inputs cast to bf16.",
+    "DeepCompile: engine.compile() is never called, so accepted cases run without it active.",
+    "Pipelines: PipelineModule(num_stages=1) on 2 ranks (2-way data parallel), train_batch().",
+    "Uneven numbers of backward() calls across ranks are not in the matrix: at ZeRO-2/3 they "
+    "hang or kill a rank (lesson 06 shows it with a timeout).",
+]
+
+
+def _case(group, config, ops, pipeline=False, **axes):
+    name = "/".join(f"{k}={v}" for k, v in axes.items())
+    return {"id": f"{group}/{name}", "group": group, "axes": axes, "config": config, "ops": ops,
+            "pipeline": pipeline}  # fmt: skip
+
+
+def _config(stage=0, managed=True, **extra):
+    zero = {"stage": stage, **extra.pop("zero", {})}
+    return {**BASE, "managed_gradient_accumulation": managed, "zero_optimization": zero, **extra}
+
+
+def cases() -> list[dict]:
+    """Every combination measured, grouped; ids are stable so tests can pick some."""
+    out = []
+    # 1. The grid: stage x managed x overlap_comm x optimizer offload x precision, then train.
+    precisions = {
+        "fp32": {},
+        "bf16": {"bf16": {"enabled": True}},
+        "fp16": {"fp16": {"enabled": True}},
+    }
+    for stage, managed, overlap, offload, precision in itertools.product(
+        range(4), (True, False), (False, True), ("none", "cpu"), precisions
+    ):
+        zero = {"overlap_comm": overlap}
+        if offload != "none":
+            zero["offload_optimizer"] = {"device": offload}
+        config = _config(stage, managed, zero=zero, **precisions[precision])
+        out.append(_case("grid", config, TRAIN[managed], stage=stage, managed=managed,
+                         overlap_comm=overlap, offload=offload, precision=precision))  # fmt: skip
+    # 2. Calls and contexts that move or suspend the boundary, at every stage, both modes.
+    scripts = {
+        "set_boundary_true": lambda m: ["set_boundary_true", *TRAIN[m]],
+        "set_boundary_false": lambda m: ["set_boundary_false", *TRAIN[m]],
+        "no_sync": lambda m: ["enter_no_sync", "backward", "exit_no_sync", *TRAIN[m][1:]],
+        "step_in_no_sync": lambda m: ["enter_no_sync", "backward", "step"],
+        "no_sync_reentry": lambda m: ["enter_no_sync", "enter_no_sync"],
+        "coalesce": lambda m: (
+            ["enter_coalesce", "backward", "backward", "exit_coalesce"]
+            + ["step"] * (GAS if m else 1)
+        ),
+        "tensor_backward": lambda m: [op.replace("backward", "tensor_backward") for op in TRAIN[m]],
+    }
+    for (name, script), stage, managed in itertools.product(
+        scripts.items(), range(4), (True, False)
+    ):
+        out.append(_case("api", _config(stage, managed), script(managed), stage=stage,
+                         managed=managed, api=name))  # fmt: skip
+    # 3. Features with their own engine or config block.
+    for managed in (True, False):
+        for stage in (0, 1):
+            out.append(_case("pipeline", _config(stage, managed), ["train_batch"], pipeline=True,
+                             stage=stage, managed=managed))  # fmt: skip
+            deepcompile = _config(stage, managed, compile={"deepcompile": True})
+            out.append(
+                _case("deepcompile", deepcompile, TRAIN[managed], stage=stage, managed=managed)
+            )
+        for enabled in (True, False):
+            out.append(_case("amp", _config(0, managed, amp={"enabled": enabled}), TRAIN[managed],
+                             managed=managed, enabled=enabled))  # fmt: skip
+    # 4. Config checks that have nothing to do with the boundary, and DeepSpeed's leniency.
+    sgd = {"type": "SGD", "params": {"lr": 0.1}}
+    for stage in (0, 1):
+        out.append(_case("config", _config(stage, optimizer=sgd), TRAIN[True], stage=stage,
+                         check="sgd_untested"))  # fmt: skip
+    clip = {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True, "max_grad_norm": 1.0}}
+    out.append(_case("config", _config(0, optimizer=clip), TRAIN[True], check="max_grad_norm"))
+    lenient = {"managed_string_no": {"managed_gradient_accumulation": "no"},
+               "managed_typo": {"managed_gradient_acumulation": False}}  # fmt: skip
+    for check, extra in lenient.items():
+        config = {k: v for k, v in _config(0).items() if k != "managed_gradient_accumulation"}
+        out.append(_case("config", {**config, **extra}, TRAIN[True], check=check))
+    return out
+
+
+# ------------------------------------------------------------------------------- running a case
+def _model(pipeline: bool):
+    import torch
+
+    from gas_lab.parity import tiny_model
+
+    if not pipeline:
+        return tiny_model(0)
+    import deepspeed
+    import torch.distributed as dist
+    from deepspeed.pipe import PipelineModule
+
+    if dist.is_initialized():  # a PipelineModule needs deepspeed.comm, which initialize starts
+        deepspeed.init_distributed(dist_backend=dist.get_backend())
+
+    return PipelineModule(layers=list(tiny_model(0)), num_stages=1, loss_fn=torch.nn.MSELoss())
+
+
+def _run_op(engine, op, state, contexts):
+    import torch
+    import torch.distributed as dist
+
+    from gas_lab.parity import micro_batch
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    size = engine.train_micro_batch_size_per_gpu()
+    if op in ("backward", "tensor_backward", "train_batch"):
+        dtype = next(engine.module.parameters()).dtype  # bf16 engines cast the model
+        x, y = (t.to(dtype) for t in micro_batch(0, 0, state["micro"], rank, size))
+        state["micro"] += 1
+        if op == "train_batch":
+            return engine.train_batch(
+                data_iter=iter([(x, y)] * engine.gradient_accumulation_steps())
+            )
+        loss = torch.nn.functional.mse_loss(engine(x), y)
+        return engine.backward(loss) if op == "backward" else loss.backward()
+    if op == "step":
+        return engine.step()
+    if op.startswith("set_boundary_"):
+        return engine.set_gradient_accumulation_boundary(op == "set_boundary_true")
+    if op.startswith("enter_"):
+        ctx = engine.no_sync() if op == "enter_no_sync" else engine.coalesce_grad_reduction()
+        ctx.__enter__()
+        contexts.append(ctx)
+    elif op.startswith("exit_"):
+        contexts.pop().__exit__(None, None, None)
+    else:
+        raise ValueError(f"unknown op {op!r}")
+
+
+def run_case(initialize, case: dict, model_fn=_model) -> dict:
+    """Run one case with ``initialize`` (DeepSpeed's or gas_lab's) on this rank.
+
+    ``model_fn(pipeline)`` builds the model (tests swap in a stand-in PipelineModule).
+    """
+    state, contexts, op = {"micro": 0}, [], "initialize"
+    try:
+        model = model_fn(case["pipeline"])
+        engine, *_ = initialize(model=model, model_parameters=model.parameters(),
+                                config=json.loads(json.dumps(case["config"])))  # fmt: skip
+        for op in case["ops"]:
+            _run_op(engine, op, state, contexts)
+    except Exception as err:  # the point: record whatever is raised, wherever
+        return {"outcome": "rejected", "exception": type(err).__name__,
+                "message": str(err).strip(), "raised_in": op,
+                "moment": MOMENT.get(op, "call")}  # fmt: skip
+    optimizer = getattr(engine, "optimizer", None)
+    return {
+        "outcome": "accepted", "exception": None, "message": None, "raised_in": None,
+        "moment": None,
+        "observed": {
+            "managed": bool(engine.managed_gradient_accumulation()),
+            "optimizer": type(optimizer).__name__,
+            "counters": [engine.global_steps, engine.global_samples, engine.micro_steps],
+        },
+    }  # fmt: skip
+
+
+def measure(selected: list[dict], engine: str = "deepspeed") -> list[dict]:
+    """On a rank: run every case with DeepSpeed (or gas_lab); quiet DeepSpeed's logging."""
+    import logging
+
+    from gas_lab.engine import initialize as gas_initialize
+    from gas_lab.parity import deepspeed_initialize
+
+    init = deepspeed_initialize() if engine == "deepspeed" else gas_initialize
+    logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
+    return [run_case(init, case) for case in selected]
+
+
+def main(out: Path | None = None) -> Path:
+    import deepspeed
+    import torch
+
+    sys.path.insert(0, str(ROOT))
+    import gas_lab
+
+    all_cases = cases()
+    t0 = time.perf_counter()
+    cluster = gas_lab.start_cluster(world_size=2, device="cpu")  # the matrix is a CPU one
+    try:
+        per_rank = cluster.run(measure, all_cases, timeout=600)
+    finally:
+        gas_lab.stop_cluster()
+    for case, *results in zip(all_cases, *per_rank, strict=True):
+        if any(r != results[0] for r in results):  # would mean a rank-dependent rule
+            raise RuntimeError(f"ranks disagree on {case['id']}: {results}")
+        case.update(results[0])
+    out = out or ROOT / "data" / f"deepspeed_{deepspeed.__version__}_matrix.json"
+    accepted = sum(c["outcome"] == "accepted" for c in all_cases)
+    doc = {
+        "deepspeed_version": deepspeed.__version__,
+        "torch_version": torch.__version__,
+        "python": platform.python_version(),
+        "accelerator": "cpu (DS_ACCELERATOR=cpu), gloo, 2 ranks",
+        "measured_by": "tools/measure_matrix.py",
+        "notes": NOTES,
+        "summary": {
+            "cases": len(all_cases),
+            "accepted": accepted,
+            "rejected": len(all_cases) - accepted,
+        },  # fmt: skip
+        "cases": "CASES",
+    }
+    out.parent.mkdir(exist_ok=True)
+    # One case per line: small, and a re-measurement diffs line by line.
+    rows = ",\n  ".join(json.dumps(c) for c in all_cases)
+    text = json.dumps(doc, indent=1).replace('"cases": "CASES"', f'"cases": [\n  {rows}\n ]')
+    out.write_text(text + "\n")
+    print(
+        f"{len(all_cases)} cases ({accepted} accepted) in {time.perf_counter() - t0:.0f} s -> {out}"
+    )
+    return out
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]) if len(sys.argv) > 1 else None)
