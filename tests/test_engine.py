@@ -3,7 +3,6 @@
 The 2-rank comparison against DeepSpeed itself is in test_parity.py.
 """
 
-
 import pytest
 import torch
 
