@@ -10,6 +10,8 @@ PYTEST := $(BIN)/python -m pytest -p no:cacheprovider
 # Executed copies of the notebooks: nbmake writes them, the docs site renders them (no
 # second execution), and instructors can read them.
 EXECUTED := build/notebooks
+# JupyterLab refuses to run as root (containers, CI boxes) unless told it is deliberate.
+ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root)
 # DeepSpeed without a GPU uses its CPU accelerator.
 export DS_ACCELERATOR ?= cpu
 
@@ -25,11 +27,11 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 lab: $(STAMP)  ## the course: JupyterLab on tutorials/
-	$(BIN)/jupyter lab --ip 127.0.0.1 --notebook-dir tutorials
+	$(BIN)/jupyter lab --ip 127.0.0.1 --notebook-dir tutorials $(ROOT_FLAG)
 
 test: lint $(STAMP)  ## every test: unit + 2-rank, every notebook (nbmake), ruff, the docs site
 	rm -rf $(EXECUTED) && mkdir -p $(EXECUTED) && cp -r tutorials/. $(EXECUTED)/
-	$(PYTEST) -m "not docs" tests $(EXECUTED) --nbmake --nbmake-timeout=600 --overwrite
+	$(PYTEST) -m "not docs" tests $(EXECUTED) --nbmake --nbmake-timeout=600 --overwrite --durations=12
 	$(MAKE) --no-print-directory docs
 	$(PYTEST) -m docs tests/test_docs_site.py
 
