@@ -208,7 +208,7 @@ def load_config(config: dict | GasConfig, world_size: int = 1) -> GasConfig:
 
 
 def parse(config: dict | GasConfig) -> GasConfig:
-    """Check keys and types only: no batch arithmetic, no rules (``rules.predict`` uses it)."""
+    """Check keys and types only: no batch arithmetic, no rules (``prediction.predict`` uses it)."""
     if isinstance(config, GasConfig):
         config = config.model_dump(exclude_unset=True)
     if not isinstance(config, dict):

@@ -18,6 +18,10 @@ gradients and the optimizer updates the weights):
   only accumulates locally, and *every* ``step()`` is a boundary: all-reduce, then one update,
   however many micro-batches ran since the last one (that number may change every step).
 
+A direct ``loss.backward()`` is seen by a hook on the model's output, as in DeepSpeed 0.19.8:
+refused at ZeRO stage 0; at stage 1 it divides by GAS and reduces at the boundary like
+``engine.backward(loss)``, but only ``engine.backward()`` counts towards ``global_samples``.
+
 The "reduce, then update" part is delegated to a small strategy object, so that ZeRO-1
 (``gas_lab/zero1.py``) can replace it without touching the counting logic here.
 """
@@ -71,6 +75,8 @@ class Engine(torch.nn.Module):
         self._unmanaged_backward_count = 0  # backward() calls since the last step()
         self._boundary_override = None  # set_gradient_accumulation_boundary() (managed only)
         self._inside_step = False  # unmanaged: the boundary is "inside step()"
+        self._inside_engine_backward = False  # the output hooks leave engine.backward() alone
+        self._direct_backward_seen = False  # a direct loss.backward() is running
         self._step_applied = False
         self._broadcast_parameters()
         self._update = strategy_cls(list(module.parameters()), optimizer, group, config)
@@ -86,7 +92,13 @@ class Engine(torch.nn.Module):
 
     # -- the training loop ---------------------------------------------------------------------
     def forward(self, *inputs, **kwargs):
-        return self.module(*inputs, **kwargs)
+        out = self.module(*inputs, **kwargs)
+        # A hook on each output sees every backward pass through it start, engine's or not.
+        self._direct_backward_seen = False  # (a backward that failed half-way left it set)
+        for tensor in _output_tensors(out):
+            if tensor.requires_grad:
+                tensor.register_hook(self._on_output_grad)
+        return out
 
     def backward(self, loss, retain_graph=False, scale_wrt_gas=True):
         """Accumulate gradients of ``loss`` (divided by GAS unless scale_wrt_gas is False)."""
@@ -98,12 +110,36 @@ class Engine(torch.nn.Module):
             # Gradients add up over micro-batches; dividing each loss by GAS turns the sum of
             # GAS micro-batch means into the mean over the whole batch.
             loss = loss / self.gradient_accumulation_steps()
-        loss.backward(retain_graph=retain_graph)
-        # Managed: the boundary micro-batch reduces right away. Unmanaged, this is never the
-        # boundary (only step() is), so gradients stay local until step().
+        self._inside_engine_backward = True  # the hooks on the output leave this pass alone
+        try:
+            loss.backward(retain_graph=retain_graph)
+        finally:
+            self._inside_engine_backward = False
+        # Managed: the boundary micro-batch reduces right away (unless inside no_sync()).
+        # Unmanaged, this is never the boundary (only step() is): gradients stay local.
+        self._reduce_if_boundary()
+        return loss
+
+    def _reduce_if_boundary(self):
         if self.is_gradient_accumulation_boundary() and not self.inside_no_sync_ctxt:
             self._update.reduce_gradients()
-        return loss
+
+    def _on_output_grad(self, grad):
+        """Hook on the model's output: a backward pass reached it. Only a direct
+        ``loss.backward()`` gets past the first line: refused at stage 0 (``rules``); at stage 1
+        divided by GAS here, and reduced once autograd has filled every ``.grad``."""
+        if self._inside_engine_backward:
+            return grad
+        if not self._direct_backward_seen:  # once per pass, however many outputs it reaches
+            rules.enforce(self._situation("tensor.backward"), "call")
+            self._direct_backward_seen = True
+            # Run once this pass ends (DeepSpeed's ZeRO optimizers use the same autograd call).
+            torch.autograd.Variable._execution_engine.queue_callback(self._after_direct_backward)
+        return grad / self.gradient_accumulation_steps()  # what scale_wrt_gas=True does
+
+    def _after_direct_backward(self):
+        self._direct_backward_seen = False
+        self._reduce_if_boundary()
 
     def step(self, lr_kwargs=None):
         """Managed: update only at the boundary. Unmanaged: reduce, then update, every call."""
@@ -156,9 +192,20 @@ class Engine(torch.nn.Module):
 
     @contextlib.contextmanager
     def coalesce_grad_reduction(self):
-        """DeepSpeed's ZeRO-only variant of no_sync; every case is refused in gas_lab."""
-        rules.enforce(self._situation("coalesce_grad_reduction"), "call")
-        yield  # pragma: no cover - unreachable while every stage is refused above
+        """ZeRO-1, managed: the backward() calls of one optimizer step, reduced once.
+
+        Inside the block backward() keeps the gradients local, as inside no_sync(), and step()
+        is refused; leaving the block reduces them once, boundary or not (even when left by an
+        exception, as in DeepSpeed), and the next boundary step() updates from that. Refused
+        unmanaged, at stage 0 and nested, as by DeepSpeed.
+        """
+        rules.enforce(self._situation("coalesce_grad_reduction"), "context")
+        self.inside_no_sync_ctxt = True
+        try:
+            yield
+        finally:
+            self.inside_no_sync_ctxt = False
+            self._update.reduce_gradients()
 
     def _situation(self, action: str) -> Situation:
         return Situation(self._config, action, inside_no_sync=self.inside_no_sync_ctxt)
@@ -234,3 +281,14 @@ def _default_group():
         dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
         return dist.group.WORLD
     return None
+
+
+def _output_tensors(out) -> list[torch.Tensor]:
+    """The tensors in a forward's output: a tensor, or tuples, lists and dicts of them."""
+    if torch.is_tensor(out):
+        return [out]
+    if isinstance(out, dict):
+        out = list(out.values())
+    if isinstance(out, (list, tuple)):
+        return [t for item in out for t in _output_tensors(item)]
+    return []

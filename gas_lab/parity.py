@@ -199,3 +199,10 @@ def _trigger(initialize, config, example: rules.Example) -> None:
     elif example.action == "no_sync_twice":
         with engine.no_sync(), engine.no_sync():
             pass
+    elif example.action == "coalesce_in_no_sync":
+        with engine.no_sync(), engine.coalesce_grad_reduction():
+            pass
+    elif example.action == "tensor_backward":
+        torch.nn.functional.mse_loss(engine(x), y).backward()
+    elif example.action != "initialize":
+        raise ValueError(f"unknown example action {example.action!r}")

@@ -11,12 +11,13 @@ raises, measured by ``tools/measure_matrix.py`` into ``data/deepspeed_0.19.8_mat
 * :data:`RULES`: the refusals gas_lab enforces itself, at the same moment as DeepSpeed
   (``config.py`` and ``engine.py`` call :func:`enforce`).
 * :data:`DEEPSPEED_ONLY`: refusals DeepSpeed makes where gas_lab stops earlier (ZeRO-2/3, fp16
-  are out of scope) or does not look yet; kept for the table and for :func:`predict`.
+  are out of scope); kept for the table and for ``gas_lab.prediction.predict``.
 * :data:`OUT_OF_SCOPE`: what DeepSpeed accepts but gas_lab does not teach: those raise
   :class:`NotImplementedInGasLab`, which points you to ``deepspeed.initialize``.
 
-:func:`predict` says, from the data alone, what DeepSpeed does with a config and a script of
-engine calls; ``tests/test_rules.py`` checks it against every measured case.
+Next door: ``gas_lab/prediction.py`` evaluates these rules on a config and a script of engine
+calls and holds the measured matrix they are checked against; ``gas_lab/traps.py`` lists what
+DeepSpeed *accepts* that still trains wrong.
 """
 
 from __future__ import annotations
@@ -24,11 +25,8 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import copy
-import importlib.metadata
-import json
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 
@@ -67,7 +65,7 @@ class Example:
     """How to trigger a rule: config overrides (merged into a working config) and an action."""
 
     config: dict = field(default_factory=dict)
-    action: str = "initialize"  # or: set_boundary, coalesce, step_in_no_sync, no_sync_twice
+    action: str = "initialize"  # or an op of parity._trigger: set_boundary, coalesce, ...
     pipeline: bool = False
 
 
@@ -104,7 +102,7 @@ UNMANAGED = {"managed_gradient_accumulation": False}
 _MGA = "managed_gradient_accumulation=false"
 
 # Config parsing first: where two apply, the measured matrix shows amp and fp16 win.
-_ALL: list[Rule] = [
+ALL_RULES: list[Rule] = [
     Rule(
         "apex_amp", "initialize", "initialize", ("amp",),
         'an "amp" block, even {"enabled": false}, managed or not',
@@ -228,6 +226,19 @@ _ALL: list[Rule] = [
         lambda s: _stage(s) == 0,
     ),
     Rule(
+        "coalesce_nested", "coalesce_grad_reduction", "context",
+        ("coalesce_grad_reduction()", "no_sync()"),
+        "coalesce_grad_reduction() entered inside no_sync() or another coalesce block",
+        "Both blocks switch the boundary reduction off; the inner block's exit would switch it "
+        "back on and flush while the outer block still expects the gradients to stay local.",
+        "the inner flush would reduce what the outer block keeps local, and its exit would "
+        "reduce the same gradients again.",
+        "AssertionError", "coalesce_grad_reduction cannot be nested inside another no_sync "
+        "context",
+        Example(config={"zero_optimization": {"stage": 1}}, action="coalesce_in_no_sync"),
+        lambda s: s.inside_no_sync,
+    ),
+    Rule(
         "no_sync_stage23", "no_sync", "context", ("zero_optimization.stage>=2", "no_sync()"),
         "entering no_sync() at ZeRO stage 2 or 3",
         "ZeRO-2/3 reduce-scatter each gradient while backward() runs, to free it; there is no "
@@ -250,7 +261,7 @@ _ALL: list[Rule] = [
     ),
     Rule(
         "step_in_no_sync", "step", "call", ("no_sync()", "step()"),
-        "step() called inside no_sync()",
+        "step() called inside no_sync() (or inside coalesce_grad_reduction())",
         "no_sync() means 'do not reduce yet', but step() updates the weights from reduced "
         "gradients.",
         "each rank would apply its own, un-averaged update: the replicas drift apart.",
@@ -259,21 +270,23 @@ _ALL: list[Rule] = [
         lambda s: s.inside_no_sync,
     ),
     Rule(
-        "tensor_backward_stage0", "tensor.backward", "call", ("zero_optimization.stage=0",
-        "loss.backward()"),
+        "tensor_backward_stage0", "tensor.backward", "call",
+        ("zero_optimization.stage=0", "loss.backward()"),
         "loss.backward() instead of engine.backward(loss) at ZeRO stage 0",
-        "At stage 0 DeepSpeed divides by GAS and reduces only inside engine.backward(); it "
-        "cannot follow a direct loss.backward(). (Stage 1-3 hook the model output and accept it.)",
-        "gradients would be neither divided by GAS nor reduced: the replicas drift apart.",
+        "A hook on the model's output sees every backward pass start and divides by GAS, but "
+        "at stage 0 nothing sees it end: the boundary all-reduce runs at the end of "
+        "engine.backward() only. (At stages 1-3 the ZeRO optimizer's gradient hooks notice the "
+        "end of a direct loss.backward(), so it is accepted there.)",
+        "managed, the boundary all-reduce would never run: every rank would update from its "
+        "own gradient and the replicas would drift apart.",
         "RuntimeError", "Direct calls to tensor.backward() are not supported",
         Example(action="tensor_backward"),
         lambda s: _stage(s) == 0,
-        gas_lab="not detected yet: gas_lab's engine does not hook the model output",
     ),
 ]  # fmt: skip
 
-RULES: list[Rule] = [r for r in _ALL if r.gas_lab == SAME]
-DEEPSPEED_ONLY: list[Rule] = [r for r in _ALL if r.gas_lab != SAME]
+RULES: list[Rule] = [r for r in ALL_RULES if r.gas_lab == SAME]
+DEEPSPEED_ONLY: list[Rule] = [r for r in ALL_RULES if r.gas_lab != SAME]
 
 
 @dataclass(frozen=True)
@@ -312,11 +325,6 @@ OUT_OF_SCOPE: list[OutOfScope] = [
         "mixed_precision", "initialize", "bf16.enabled or fp16.enabled",
         "gas_lab trains in fp32 so results compare exactly; use deepspeed.initialize for bf16/fp16.",
         lambda s: s.config.bf16.enabled or s.config.fp16.enabled,
-    ),
-    OutOfScope(
-        "coalesce_zero", "coalesce_grad_reduction", "coalesce_grad_reduction() at ZeRO stage >= 1",
-        "Coalesced ZeRO reduction is DeepSpeed-only; use deepspeed.initialize.",
-        lambda s: _stage(s) >= 1,
     ),
 ]  # fmt: skip
 
@@ -357,138 +365,6 @@ def enforce(situation: Situation, moment: str | None = None) -> None:
         raise NotImplementedInGasLab(f"{item.condition} is out of gas_lab's scope. {item.pointer}")
 
 
-# What each op of tools/measure_matrix.py calls on the engine (ops not listed check nothing).
-OP_ACTIONS = {
-    "set_boundary_true": "set_gradient_accumulation_boundary",
-    "set_boundary_false": "set_gradient_accumulation_boundary",
-    "enter_no_sync": "no_sync",
-    "enter_coalesce": "coalesce_grad_reduction",
-    "step": "step",
-    "tensor_backward": "tensor.backward",
-}
-
-
-def predict(config: dict, ops: Sequence[str] = (), pipeline: bool = False):
-    """What DeepSpeed 0.19.8 does (on the CPU accelerator, as measured), from this module's
-    data alone: ``(rule, op)`` for the first refusal (``op`` is "initialize" or one of
-    ``ops``, the op names of ``tools/measure_matrix.py``), or ``(None, None)`` if it runs.
-
-    Raises ``config.ConfigError`` for configs gas_lab refuses to parse (DeepSpeed is more
-    lenient: it ignores unknown keys and takes ``"no"`` for true).
-    """
-    from gas_lab.config import parse  # config imports this module: import late
-
-    cfg = parse(config)
-    inside = False
-    for op in ("initialize", *ops):
-        action = OP_ACTIONS.get(op, op)
-        rule = first_violation(Situation(cfg, action, inside, pipeline), _ALL)
-        if rule is not None:
-            return rule, op
-        if op in ("enter_no_sync", "enter_coalesce"):
-            inside = True
-        elif op in ("exit_no_sync", "exit_coalesce"):
-            inside = False
-    return None, None
-
-
-# ------------------------------------------------------------------ accepted, but silently wrong
-@dataclass(frozen=True)
-class Loop:
-    """The facts about a training loop that the traps below look at."""
-
-    micro_batches: tuple[int, ...] = ()  # backward() calls per step on each rank; () = GAS
-    scale_wrt_gas: bool = True  # engine.backward(loss, scale_wrt_gas=...)
-    backward: str = "engine"  # "engine": engine.backward(loss); "tensor": loss.backward()
-    loss_divisor: str = "none"  # "none", "local" (own N) or "global" (all ranks' N / W)
-
-
-@dataclass(frozen=True)
-class Trap:
-    """A combination DeepSpeed accepts that still trains wrong, and the rule that avoids it."""
-
-    name: str
-    condition: str
-    symptom: str  # what goes wrong, measured on DeepSpeed in lesson 06
-    fix: str  # the one-line rule that avoids it
-    applies: Callable[[dict, Loop], bool] = field(repr=False, compare=False, default=None)
-
-
-def _raw_unmanaged(config: dict) -> bool:
-    return config.get("managed_gradient_accumulation", True) is False
-
-
-def _misspelt_managed(config: dict) -> bool:
-    """A value DeepSpeed reads as true but is not True, or a near-miss of the key's name."""
-    value = config.get("managed_gradient_accumulation", True)
-    wrong_value = not isinstance(value, bool) and bool(value)
-    return wrong_value or any(
-        k != "managed_gradient_accumulation" and "managed" in k for k in config
-    )
-
-
-def _uneven(config: dict, loop: Loop) -> bool:
-    return len(set(loop.micro_batches)) > 1
-
-
-def _zero_stage(config: dict) -> int:
-    return config.get("zero_optimization", {}).get("stage", 0)
-
-
-TRAPS: list[Trap] = [
-    Trap(
-        "managed_flag_not_false", 'managed_gradient_accumulation misspelt, or not the bool false',
-        "DeepSpeed ignores unknown keys and takes any truthy value (\"no\") as true: the run is "
-        "silently *managed*, and step() updates only every gradient_accumulation_steps calls.",
-        "right after initialize: assert engine.managed_gradient_accumulation() is False",
-        lambda c, loop: _misspelt_managed(c),
-    ),
-    Trap(
-        "n_not_gas_default_scaling", "unmanaged, N != gradient_accumulation_steps, default scaling",
-        "backward() still divides every loss by gradient_accumulation_steps: the gradient is "
-        "N/GAS times the mean.",
-        "unmanaged: backward(loss, scale_wrt_gas=False) and normalize the loss yourself",
-        lambda c, loop: _raw_unmanaged(c) and loop.scale_wrt_gas and any(
-            n != c.get("gradient_accumulation_steps", 1) for n in loop.micro_batches),
-    ),
-    Trap(
-        "uneven_n_zero01", "unmanaged, ZeRO 0/1, ranks run different N, no global count",
-        "it runs; but each rank's micro-batches weigh 1/(W*N_rank) (or 1/(W*GAS)) instead of "
-        "1/N_total, and global_samples differs from rank to rank.",
-        "all-reduce N (or the token count) before the first backward(); divide by it, times W",
-        lambda c, loop: _raw_unmanaged(c) and _zero_stage(c) < 2 and _uneven(c, loop)
-        and loop.loss_divisor != "global",
-    ),
-    Trap(
-        "uneven_n_zero23", "unmanaged, ZeRO 2/3, ranks run different N",
-        "ZeRO-2/3 reduce inside every backward(): a rank with more backward() calls waits in a "
-        "collective the others never join: the job hangs or dies.",
-        "at ZeRO-2/3 every rank calls backward() the same number of times per step",
-        lambda c, loop: _raw_unmanaged(c) and _zero_stage(c) >= 2 and _uneven(c, loop),
-    ),
-    Trap(
-        "tensor_backward_counts", "unmanaged, ZeRO >= 1, loss.backward() instead of engine's",
-        "the gradients are right (DeepSpeed hooks the model output), but global_samples counts "
-        "only engine.backward() calls: it stays 0.",
-        "always call engine.backward(loss)",
-        lambda c, loop: _raw_unmanaged(c) and _zero_stage(c) >= 1 and loop.backward == "tensor",
-    ),
-]  # fmt: skip
-
-
-def traps(config: dict, loop: Loop) -> list[Trap]:
-    """The traps an accepted config and loop fall into (empty: nothing known to go wrong)."""
-    return [t for t in TRAPS if t.applies(config, loop)]
-
-
-def measured_matrix(path: str | Path | None = None) -> dict:
-    """The matrix measured on the installed DeepSpeed version (``data/`` in the repository)."""
-    if path is None:
-        version = importlib.metadata.version("deepspeed")  # without importing it (slow)
-        path = Path(__file__).resolve().parents[1] / "data" / f"deepspeed_{version}_matrix.json"
-    return json.loads(Path(path).read_text())
-
-
 def example_config(rule: Rule, base: dict) -> dict:
     """The full config of a rule's example: ``base`` with the example's keys merged in.
 
@@ -524,7 +400,7 @@ def table() -> list[dict]:
             "DeepSpeed raises": f"{r.deepspeed_raises}: {r.deepspeed_message}",
             "gas_lab": r.gas_lab,
         }
-        for r in _ALL
+        for r in ALL_RULES
     ]
 
 

@@ -12,10 +12,13 @@ boundary-gated work DeepSpeed would do for the feature the rule was guarding:
 * Apex ``amp`` multiplies the loss by a loss scale and divides the gradients by it again only
   in the backward() of the boundary micro-batch (``delay_unscale`` on all the others).
 * like DeepSpeed's engine, step() reduces only at a boundary and never inside ``no_sync()``.
+* a direct ``loss.backward()`` at stage 0 is divided by GAS by the output hook, but nothing
+  sees it end, so its boundary reduction never runs (DeepSpeed has no hook for it there).
 
 Unmanaged, no backward() is a boundary, so each of these quietly never happens.
-:func:`deepspeed_initialize` does the same to *real* DeepSpeed, so the lesson can check that
-this model of the failure matches what DeepSpeed itself would have done.
+:func:`deepspeed_initialize` (and :func:`allow_tensor_backward`) do the same to *real*
+DeepSpeed, so the lesson can check that this model of the failure matches what DeepSpeed itself
+would have done.
 """
 
 from __future__ import annotations
@@ -90,6 +93,16 @@ class UnsafeEngine(gas_engine.Engine):
             out = out / self.loss_scale
         return out
 
+    def _on_output_grad(self, grad):
+        with rules.skipping(self.skipped):
+            return super()._on_output_grad(grad)
+
+    def _after_direct_backward(self):
+        if self._config.zero_optimization.stage == 0:  # DeepSpeed: no hook sees the end
+            self._direct_backward_seen = False
+            return
+        super()._after_direct_backward()
+
     def step(self, lr_kwargs=None):
         with rules.skipping(self.skipped):
             return super().step(lr_kwargs)
@@ -152,6 +165,16 @@ def deepspeed_initialize(model, config: dict):
     )
     engine._config.managed_gradient_accumulation = not unmanaged
     return engine, optimizer, None, scheduler
+
+
+def allow_tensor_backward(ds_engine):
+    """Let a direct ``loss.backward()`` past DeepSpeed's stage-0 refusal (UNSAFE).
+
+    Its output hooks then divide the gradient by GAS, as at stages 1-3, but at stage 0 no hook
+    sees the backward end, so the boundary all-reduce never runs. Returns ``ds_engine``.
+    """
+    ds_engine._support_torch_style_backward = True
+    return ds_engine
 
 
 @contextlib.contextmanager

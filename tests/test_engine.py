@@ -1,6 +1,7 @@
 """gas_lab.engine on one process: counters, boundary, refusals, and a plain-torch reference.
 
-The 2-rank comparison against DeepSpeed itself is in test_parity.py.
+The 2-rank comparison against DeepSpeed itself is in test_parity.py (and, for ZeRO-1,
+coalesce_grad_reduction() and a direct loss.backward(), in test_zero1.py).
 """
 
 import pytest
@@ -188,3 +189,122 @@ def test_unsupported_deepspeed_arguments_are_refused_not_ignored():
         initialize(model=model, config=config, lr_scheduler=object())
     engine, _, loader, scheduler = initialize(model=model, config=config, training_data=None)
     assert loader is None and scheduler is None
+
+
+# ---------------------------------------------------------------- a direct loss.backward()
+def direct(engine, step, micro, loss_fn=None):
+    x, y = micro_batch(0, step, micro, 0, engine.train_micro_batch_size_per_gpu())
+    (loss_fn or torch.nn.functional.mse_loss)(engine(x), y).backward()
+
+
+@pytest.mark.parametrize("managed", [True, False])
+def test_direct_backward_is_refused_at_stage_0_before_any_gradient(managed):
+    engine, _ = make(managed=managed)
+    with pytest.raises(RejectedCombination) as err:
+        direct(engine, 0, 0)  # raised from inside loss.backward(), by the hook on the output
+    message = str(err.value)
+    assert err.value.rule.name == "tensor_backward_stage0"
+    assert "loss.backward()" in message and "raises RuntimeError at call" in message
+    assert all(p.grad is None for p in engine.module.parameters())
+    # The refusal leaves the engine usable: the same step through engine.backward() is fine.
+    fresh, _ = make(managed=managed)
+    for e in (engine, fresh):
+        for micro in range(3):
+            fwd_bwd(e, 0, micro)
+            if managed:
+                e.step()
+        if not managed:
+            e.step()
+    for ours, ref in zip(engine.module.parameters(), fresh.module.parameters(), strict=True):
+        assert torch.equal(ours, ref)
+
+
+def _counting_reductions(engine):
+    calls = []
+    reduce = engine._update.reduce_gradients
+    engine._update.reduce_gradients = lambda: (calls.append(engine.micro_steps), reduce())[1]
+    return calls
+
+
+@pytest.mark.parametrize("managed, ns", [(True, [3, 3]), (False, [2, 4])])
+def test_direct_backward_at_stage_1_is_engine_backward_without_the_sample_count(managed, ns):
+    engines, reductions = {}, {}
+    for kind in ("engine", "direct"):
+        engine, _ = make(gas=3, managed=managed, zero_optimization={"stage": 1})
+        reductions[kind] = _counting_reductions(engine)
+        for step, n in enumerate(ns):
+            for micro in range(n):
+                fwd_bwd(engine, step, micro) if kind == "engine" else direct(engine, step, micro)
+                if managed:
+                    engine.step()
+            if not managed:
+                engine.step()
+        engines[kind] = engine
+    ours, ref = engines["direct"], engines["engine"]
+    for a, b in zip(ours.module.parameters(), ref.module.parameters(), strict=True):
+        # Divided by GAS at the output instead of at the loss: equal up to float32 rounding.
+        assert (a - b).abs().max().item() <= 1e-6
+    assert reductions["direct"] == reductions["engine"] == ([2, 5] if managed else [0, 1])
+    assert (ours.global_steps, ours.micro_steps) == (ref.global_steps, ref.micro_steps)
+    # DeepSpeed counts samples in engine.backward(); unmanaged, a direct backward adds none.
+    assert ours.global_samples == (ref.global_samples if managed else 0) and ref.global_samples
+
+
+class TwoHeads(torch.nn.Module):
+    """Returns a dict of two outputs: one backward pass reaches the engine's hooks twice."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = tiny_model(0)
+
+    def forward(self, x):
+        out = self.body(x)
+        return {"a": out[:, :1], "b": (out[:, 1:], out.sum(1, keepdim=True))}
+
+
+def test_direct_backward_through_several_outputs_divides_each_and_reduces_once():
+    def loss_fn(out, y):
+        return ((out["a"] - y[:, :1]) ** 2).mean() + out["b"][0].mean() * out["b"][1].mean()
+
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 2,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "zero_optimization": {"stage": 1},
+        "zero_allow_untested_optimizer": True,
+    }
+    grads = {}
+    for kind in ("engine", "direct"):
+        engine = initialize(model=TwoHeads(), config=config)[0]
+        calls = _counting_reductions(engine)
+        x, y = micro_batch(0, 0, 0, 0, 2)
+        loss = loss_fn(engine(x), y)
+        engine.backward(loss) if kind == "engine" else loss.backward()
+        grads[kind] = [p.grad.clone() for p in engine.module.parameters()]
+        engine.step()  # micro-step 0 of 2: not the boundary
+        x, y = micro_batch(0, 0, 1, 0, 2)
+        loss = loss_fn(engine(x), y)
+        engine.backward(loss) if kind == "engine" else loss.backward()
+        assert calls == [1]  # the boundary backward reduced once, not once per output
+    for a, b in zip(grads["direct"], grads["engine"], strict=True):
+        assert torch.allclose(a, b, atol=1e-7, rtol=0)
+
+
+# ---------------------------------------------------------------- coalesce_grad_reduction()
+def test_coalesce_at_zero1_reduces_once_on_leaving_and_refuses_what_deepspeed_refuses():
+    engine, _ = make(gas=2, zero_optimization={"stage": 1})
+    calls = _counting_reductions(engine)
+    with engine.coalesce_grad_reduction():
+        assert engine.inside_no_sync_ctxt
+        for micro in range(2):
+            fwd_bwd(engine, 0, micro)
+        assert calls == []  # backward() keeps the gradients local inside the block
+        with pytest.raises(RejectedCombination, match="inside no_sync"):
+            engine.step()
+        with pytest.raises(RejectedCombination, match="reentry"):
+            engine.no_sync().__enter__()
+    assert calls == [0] and not engine.inside_no_sync_ctxt  # one reduction, on leaving
+    engine.step()
+    assert not engine.was_step_applied()  # micro-step 0 of 2
+    engine.step()
+    assert engine.was_step_applied() and engine.global_steps == 1 and calls == [0]

@@ -1,35 +1,21 @@
 """Lesson 03 checkers: solutions pass, untouched stubs are 'todo', classic mistakes fail loudly."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
+from exercise_support import assert_failed, assert_todo, load_solutions, todo, without_launcher_env
 
 from gas_lab.exercises.lesson03 import (
     check_boundary_steps,
     check_managed_loop,
     check_variable_window,
 )
-from gas_lab.exercises.verdict import ExerciseFailed
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(autouse=True)
 def single_process(monkeypatch):
-    # The checkers build world-size-1 engines: no launcher variables may leak in.
-    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(var, raising=False)
+    without_launcher_env(monkeypatch)
 
 
-def _solutions():
-    spec = importlib.util.spec_from_file_location("s03", ROOT / "solutions" / "lesson03.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-SOL = _solutions()
+SOL = load_solutions(3)
 CHECKS = [
     (check_boundary_steps, SOL.boundary_steps),
     (check_managed_loop, SOL.managed_loop),
@@ -45,32 +31,18 @@ def test_solution_passes(check, solution):
 
 @pytest.mark.parametrize(("check", "_solution"), CHECKS)
 def test_untouched_stub_is_todo(check, _solution):
-    def stub(*args):
-        raise NotImplementedError
-
-    verdict = check(stub)
-    assert verdict.status == "todo" and "NotImplementedError" in verdict.message
-
-
-def _assert_failed(verdict, case, *words):
-    assert verdict.status == "failed", str(verdict)
-    assert f"case '{case}'" in verdict.message, verdict.message
-    for word in words:
-        assert word in verdict.message, verdict.message
-    assert verdict.details and verdict.details[0].startswith("Hint:")
-    with pytest.raises(ExerciseFailed):
-        verdict.raise_if_failed()
+    assert_todo(check(todo))
 
 
 # ---------------------------------------------------------------- exercise 1
 def test_boundary_off_by_one_is_named():
     verdict = check_boundary_steps(lambda gas, calls: [k % gas == 0 for k in range(calls)])
-    _assert_failed(verdict, "GAS 3, 7 calls", "U..U..U", "..U..U.", "first update is at call 1")
+    assert_failed(verdict, "GAS 3, 7 calls", "U..U..U", "..U..U.", "first update is at call 1")
     assert verdict.cases_passed == 1  # with GAS 1 every call updates either way
 
 
 def test_boundary_wrong_length_is_caught():
-    _assert_failed(check_boundary_steps(lambda gas, calls: [True]), "GAS 1, 3 calls", "got U,")
+    assert_failed(check_boundary_steps(lambda gas, calls: [True]), "GAS 1, 3 calls", "got U,")
 
 
 # ---------------------------------------------------------------- exercise 2
@@ -80,7 +52,7 @@ def test_managed_loop_step_once_per_window_is_named():
             engine.backward(loss_fn(engine(x), y))
         engine.step()
 
-    _assert_failed(
+    assert_failed(
         check_managed_loop(step_once), "GAS 3, 2 windows", "micro_steps is 2", "every backward"
     )
 
@@ -92,19 +64,32 @@ def test_managed_loop_double_division_is_named():
             engine.step()
 
     verdict = check_managed_loop(divide_again)
-    _assert_failed(verdict, "GAS 3, 2 windows", "3x too small", "do not divide again")
+    assert_failed(verdict, "GAS 3, 2 windows", "3x too small", "do not divide again")
     assert verdict.cases_passed == 1  # GAS 1: dividing by 1 twice is harmless
 
 
-def test_managed_loop_plain_backward_is_named():
+def test_managed_loop_plain_backward_is_refused():
     def plain_backward(engine, micro_batches, loss_fn):
         for x, y in micro_batches:
             loss_fn(engine(x), y).backward()
             engine.step()
 
-    _assert_failed(
-        check_managed_loop(plain_backward), "GAS 3, 2 windows", "3x too large", "loss.backward()"
+    # Refused at ZeRO stage 0 from inside loss.backward(), as by DeepSpeed: the first case.
+    assert_failed(
+        check_managed_loop(plain_backward),
+        "GAS 1, 2 windows",
+        "RejectedCombination",
+        "loss.backward()",
     )
+
+
+def test_managed_loop_unscaled_backward_is_named():
+    def unscaled(engine, micro_batches, loss_fn):
+        for x, y in micro_batches:
+            engine.backward(loss_fn(engine(x), y), scale_wrt_gas=False)
+            engine.step()
+
+    assert_failed(check_managed_loop(unscaled), "GAS 3, 2 windows", "3x too large")
 
 
 # ---------------------------------------------------------------- exercise 3
@@ -116,7 +101,7 @@ def test_variable_window_default_scaling_is_named():
             engine.backward(loss_fn(engine(x), y))
         engine.step()
 
-    _assert_failed(
+    assert_failed(
         check_variable_window(default_scale),
         "GAS 2, windows of [3, 1, 2] micro-batches",
         "divided by GAS = 2",
@@ -131,7 +116,7 @@ def test_variable_window_without_the_boundary_is_named():
             engine.backward(loss_fn(engine(x), y) / len(micro_batches), scale_wrt_gas=False)
         engine.step()
 
-    _assert_failed(
+    assert_failed(
         check_variable_window(never_boundary),
         "GAS 2, windows of [3, 1, 2] micro-batches",
         "no update",
@@ -145,7 +130,7 @@ def test_variable_window_stepping_every_micro_batch_is_named():
             engine.backward(loss_fn(engine(x), y) / len(micro_batches), scale_wrt_gas=False)
             engine.step()
 
-    _assert_failed(
+    assert_failed(
         check_variable_window(step_each),
         "GAS 2, windows of [3, 1, 2] micro-batches",
         "6 updates for 3",

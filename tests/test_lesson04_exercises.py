@@ -1,51 +1,24 @@
 """Lesson 04 checkers: solutions pass, untouched stubs are 'todo', classic mistakes fail loudly."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
+from exercise_support import assert_failed, assert_todo, load_solutions, todo, without_launcher_env
 
 from gas_lab.exercises.lesson04 import check_loss_divisor, check_rpc_step
-from gas_lab.exercises.verdict import ExerciseFailed
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(autouse=True)
 def single_process(monkeypatch):
-    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(var, raising=False)
+    without_launcher_env(monkeypatch)
 
 
-def _solutions():
-    spec = importlib.util.spec_from_file_location("s04", ROOT / "solutions" / "lesson04.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-SOL = _solutions()
-
-
-def _todo(*args):
-    raise NotImplementedError
-
-
-def _assert_failed(verdict, case, *words):
-    assert verdict.status == "failed", str(verdict)
-    assert f"case '{case}'" in verdict.message, verdict.message
-    for word in words:
-        assert word in verdict.message, verdict.message
-    assert verdict.details and verdict.details[0].startswith("Hint:")
-    with pytest.raises(ExerciseFailed):
-        verdict.raise_if_failed()
+SOL = load_solutions(4)
 
 
 # ---------------------------------------------------------------- exercise 1 (one process)
 def test_rpc_step_solution_passes_and_stub_is_todo():
     verdict = check_rpc_step(SOL.rpc_step).raise_if_failed()
     assert verdict.cases_passed == verdict.cases_total == 2
-    assert check_rpc_step(_todo).status == "todo"
+    assert_todo(check_rpc_step(todo))
 
 
 def _default_scale(engine, micro_batches, loss_fn):
@@ -68,12 +41,12 @@ def _plain_backward(engine, micro_batches, loss_fn):
 
 def test_rpc_step_default_scaling_is_named():
     verdict = check_rpc_step(_default_scale)
-    _assert_failed(verdict, "steps of [3, 5, 2] micro-batches (GAS 4)", "divided by GAS = 4", "N/4")
+    assert_failed(verdict, "steps of [3, 5, 2] micro-batches (GAS 4)", "divided by GAS = 4", "N/4")
     assert verdict.cases_passed == 1  # N == GAS: the default is right
 
 
 def test_rpc_step_stepping_every_micro_batch_is_named():
-    _assert_failed(
+    assert_failed(
         check_rpc_step(_step_every_micro_batch),
         "steps of [4] micro-batches (GAS 4)",
         "4 optimizer updates for 1 steps",
@@ -81,13 +54,13 @@ def test_rpc_step_stepping_every_micro_batch_is_named():
     )
 
 
-def test_rpc_step_plain_backward_is_named():
-    # gas_lab: parameters right (step() still reduces), the sample counter is not
-    _assert_failed(
+def test_rpc_step_plain_backward_is_refused():
+    # Refused at ZeRO stage 0 from inside loss.backward(), as by DeepSpeed.
+    assert_failed(
         check_rpc_step(_plain_backward),
         "steps of [4] micro-batches (GAS 4)",
-        "right parameters",
-        "global_samples is 0",
+        "RejectedCombination",
+        "loss.backward()",
     )
 
 
@@ -109,13 +82,13 @@ def _global_count_only(n):
 def test_loss_divisor_solution_passes_and_stub_is_todo(cluster):
     verdict = check_loss_divisor(SOL.loss_divisor, cluster).raise_if_failed()
     assert verdict.cases_passed == verdict.cases_total == 3
-    assert check_loss_divisor(_todo, cluster).status == "todo"
+    assert_todo(check_loss_divisor(todo, cluster))
 
 
 @pytest.mark.ranks
 def test_loss_divisor_own_count_is_named(cluster):
     verdict = check_loss_divisor(_own_count, cluster)
-    _assert_failed(
+    assert_failed(
         verdict,
         "N differs between ranks",
         "rank 0: 3, rank 1: 1",
@@ -127,7 +100,7 @@ def test_loss_divisor_own_count_is_named(cluster):
 
 @pytest.mark.ranks
 def test_loss_divisor_missing_world_size_is_named(cluster):
-    _assert_failed(
+    assert_failed(
         check_loss_divisor(_global_count_only, cluster),
         "same N on every rank",
         "2x too small",

@@ -1,11 +1,9 @@
 """Lesson 06 checkers: solutions pass, untouched stubs are 'todo', plausible mistakes fail."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
+from exercise_support import assert_failed, assert_todo, load_solutions, todo
 
-from gas_lab import rules
+from gas_lab import prediction
 from gas_lab.exercises.lesson06 import (
     SCENARIOS,
     check_predictions,
@@ -13,21 +11,8 @@ from gas_lab.exercises.lesson06 import (
     expected,
     initialize_cases,
 )
-from gas_lab.exercises.verdict import ExerciseFailed
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _solutions():
-    spec = importlib.util.spec_from_file_location(
-        "lesson06_solutions", ROOT / "solutions" / "lesson06.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-SOL = _solutions()
+SOL = load_solutions(6)
 CHECKS = [
     (check_predictions, SOL.my_predictions),
     (check_refusal_rules, SOL.refused_at_initialize),
@@ -42,21 +27,7 @@ def test_solution_passes(check, solution):
 
 @pytest.mark.parametrize(("check", "_solution"), CHECKS)
 def test_untouched_stub_is_todo(check, _solution):
-    def stub(*args):
-        raise NotImplementedError
-
-    verdict = check(stub)
-    assert verdict.status == "todo" and "NotImplementedError" in verdict.message
-    with pytest.raises(ExerciseFailed):
-        verdict.raise_if_failed()
-
-
-def _assert_failed(verdict, case, *words):
-    assert verdict.status == "failed", str(verdict)
-    assert f"case '{case}'" in verdict.message, verdict.message
-    for word in words:
-        assert word in verdict.message, verdict.message
-    assert verdict.details and verdict.details[0].startswith("Hint:")
+    assert_todo(check(todo))
 
 
 # ---------------------------------------------------------------- exercise 1
@@ -66,14 +37,14 @@ def test_the_key_covers_every_answer_and_comes_from_the_data():
     # A rejection in the key is a rule that the measured matrix confirms (tests/test_rules.py).
     for letter, s in SCENARIOS.items():
         if answers[letter] == "rejected":
-            assert rules.predict(s.config, s.ops)[0] is not None
+            assert prediction.predict(s.config, s.ops)[0] is not None
 
 
 def test_believing_the_overlap_message_fails_on_stage_3():
     def believes_message():
         return {**SOL.my_predictions(), "B": "rejected"}
 
-    _assert_failed(
+    assert_failed(
         check_predictions(believes_message), "scenario B", "you said 'rejected'", "'accepted'"
     )
 
@@ -82,14 +53,14 @@ def test_n_not_gas_answered_accepted_is_named():
     def misses_scaling():
         return {**SOL.my_predictions(), "C": "accepted"}
 
-    _assert_failed(check_predictions(misses_scaling), "scenario C", "N/GAS", "scale_wrt_gas=False")
+    assert_failed(check_predictions(misses_scaling), "scenario C", "N/GAS", "scale_wrt_gas=False")
 
 
 def test_missing_answer_and_bad_word_are_reported():
     partial = {k: v for k, v in SOL.my_predictions().items() if k != "E"}
-    _assert_failed(check_predictions(lambda: partial), "scenario E", "got None")
+    assert_failed(check_predictions(lambda: partial), "scenario E", "got None")
     verdict = check_predictions(lambda: {**SOL.my_predictions(), "A": "refused"})
-    _assert_failed(verdict, "scenario A", "'refused'")
+    assert_failed(verdict, "scenario A", "'refused'")
     assert check_predictions(lambda: ["rejected"]).message.count("TypeError") == 1
 
 
@@ -107,7 +78,7 @@ def test_overlap_rule_copied_from_the_message_fails_on_stage_3():
             return zero.get("stage", 0) != 2
         return SOL.refused_at_initialize(config)
 
-    _assert_failed(
+    assert_failed(
         check_refusal_rules(from_message),
         "grid/stage=3/managed=False/overlap_comm=True/offload=none/precision=fp32",
         "DeepSpeed accepts it (measured)",
@@ -120,7 +91,7 @@ def test_forgetting_amp_when_disabled_fails():
             return config["amp"].get("enabled", False)
         return SOL.refused_at_initialize(config)
 
-    _assert_failed(
+    assert_failed(
         check_refusal_rules(amp_only_if_enabled),
         "amp/managed=True/enabled=False",
         "refuses it (measured: DeepSpeedConfigError",

@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from gas_lab import rules
+from gas_lab import prediction
 
 pytestmark = pytest.mark.ranks
 ROOT = Path(__file__).resolve().parents[1]
 COMPARED = ("outcome", "exception", "message", "raised_in", "moment", "observed")
 TOOL = ROOT / "tools" / "measure_matrix.py"
-MATRIX = rules.measured_matrix()
+MATRIX = prediction.measured_matrix()
 
 
 def _fast(case) -> bool:

@@ -1,5 +1,6 @@
 """ZeRO-1 (gas_lab/zero1.py, gas_lab/memory.py): the layout, one process against stage 0, and
-2 ranks against DeepSpeed 0.19.8 stage 1 (parameters, counters, collectives, memory)."""
+2 ranks against DeepSpeed 0.19.8 stage 1 (parameters, counters, collectives, memory), including
+coalesce_grad_reduction() and a direct loss.backward() (which only stage >= 1 accepts)."""
 
 import functools
 
@@ -339,6 +340,111 @@ def test_collectives_per_optimizer_step(cluster, cfg, kw):
             "all_gather": gather,
         }
         assert diff <= TOL  # and the same training
+
+
+# ------------------------------------------- 2 ranks: coalescing and loss.backward() == DeepSpeed
+def _loop_by_op(lib, cfg, loop, steps=2, n=None):
+    """On a rank: a loop of ``steps`` steps on gas_lab or DeepSpeed; returns the parameters,
+    the counters and, op by op, the collectives each call issued.
+
+    ``loop``: "engine" (engine.backward), "direct" (loss.backward()) or "coalesce" (every
+    backward() of a step inside one coalesce_grad_reduction() block). Managed, step() follows
+    each micro-batch (after the block when coalescing); unmanaged, once per step.
+    """
+    import torch.distributed as dist
+
+    from gas_lab.comm import count_collectives
+    from gas_lab.parity import deepspeed_initialize
+    from gas_lab.pitfalls import flat
+
+    init = initialize if lib == "gas_lab" else deepspeed_initialize()
+    model = tiny_model(0)
+    engine = init(model=model, model_parameters=model.parameters(), config=cfg)[0]
+    managed, gas = engine.managed_gradient_accumulation(), engine.gradient_accumulation_steps()
+    ops = []
+    with count_collectives() as log:
+
+        def call(name, fn, *args):
+            fn(*args)
+            ops.append((name, [c.kind for c in log.calls]))
+            log.calls.clear()
+
+        def backward(step, micro):
+            x, y = micro_batch(0, step, micro, dist.get_rank(), 2)
+            loss = torch.nn.functional.mse_loss(engine(x), y)
+            loss.backward() if loop == "direct" else engine.backward(loss)
+
+        for step in range(steps):
+            if loop == "coalesce":
+                block = engine.coalesce_grad_reduction()
+                call("enter", block.__enter__)
+                for micro in range(n or gas):
+                    call("backward", backward, step, micro)
+                call("exit", block.__exit__, None, None, None)
+                for _ in range(gas):
+                    call("step", engine.step)
+                continue
+            for micro in range(n or gas):
+                call("backward", backward, step, micro)
+                if managed:
+                    call("step", engine.step)
+            if not managed:
+                call("step", engine.step)
+    counters = (engine.global_steps, engine.global_samples, engine.micro_steps)
+    return flat(engine.module), counters, ops
+
+
+def _both(cfg, loop, n=None):
+    return {lib: _loop_by_op(lib, cfg, loop, n=n) for lib in ("gas_lab", "deepspeed")}
+
+
+def _assert_same(ours, theirs):
+    assert (ours[0] - theirs[0]).abs().max().item() <= TOL
+    assert ours[1:] == theirs[1:]  # counters, and the collectives of every call
+
+
+@pytest.mark.ranks
+@pytest.mark.parametrize(
+    "cfg",
+    [config(ADAM, 2), config(SGD, 1, gradient_clipping=0.0), config(ADAMW, 3)],
+    ids=["adam-gas2", "sgd-gas1-noclip", "adamw-gas3"],
+)
+def test_coalesce_grad_reduction_matches_deepspeed(cluster, cfg):
+    ranks = cluster.run(_both, cfg, "coalesce", timeout=120)
+    for out in ranks:
+        _assert_same(out["gas_lab"], out["deepspeed"])
+        ops = out["gas_lab"][2]
+        # Inside the block nothing is reduced; leaving it reduces once (1 all-reduce); the
+        # boundary step() then updates (norm all-reduce, all-gather); other step()s only count.
+        assert all(kinds == [] for op, kinds in ops if op in ("enter", "backward"))
+        assert [kinds for op, kinds in ops if op == "exit"] == [["all_reduce"]] * 2
+        gas = cfg["gradient_accumulation_steps"]
+        assert [kinds for op, kinds in ops if op == "step"] == (
+            [[]] * (gas - 1) + [["all_reduce", "all_gather"]]
+        ) * 2
+    # The same training as the loop without the block, and the replicas agree on it.
+    from gas_lab.pitfalls import flat
+
+    plain = cluster.run(_loop_by_op, "gas_lab", cfg, "engine", timeout=60)
+    for out, ref in zip(ranks, plain, strict=True):
+        ours = out["gas_lab"]
+        assert (ours[0] - ref[0]).abs().max().item() <= TOL and ours[1] == ref[1]
+    assert torch.equal(ranks[0]["gas_lab"][0], ranks[1]["gas_lab"][0])
+    assert (ranks[0]["gas_lab"][0] - flat(tiny_model(0))).abs().max().item() > 1e-3
+
+
+@pytest.mark.ranks
+@pytest.mark.parametrize("managed, n", [(True, None), (False, 3)], ids=["managed", "unmanaged-N3"])
+def test_direct_backward_matches_deepspeed(cluster, managed, n):
+    cfg = config(SGD, 2, managed)
+    for out in cluster.run(_both, cfg, "direct", n, timeout=120):
+        _assert_same(out["gas_lab"], out["deepspeed"])
+        steps, samples, _ = out["gas_lab"][1]
+        # Both count samples in engine.backward() only: unmanaged, a direct backward adds none.
+        assert steps == 2 and (samples == 0) == (not managed)
+        # Managed, the boundary backward() reduces, as engine.backward() would.
+        reduced = [op for op, kinds in out["gas_lab"][2] if op == "backward" and kinds]
+        assert len(reduced) == (2 if managed else 0)
 
 
 # ---------------------------------------------------------------- 2 ranks: memory

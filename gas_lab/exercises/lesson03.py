@@ -142,7 +142,7 @@ def check_managed_loop(fn: Callable) -> Verdict:
         if _close(got["params"], reference_params(sgd_config(gas, LR * gas), steps, world_size=1)):
             return (
                 f"the update is {gas}x too large: nothing divided the loss by GAS. Call "
-                "engine.backward(loss) (not loss.backward()) with the default scale_wrt_gas."
+                "engine.backward(loss) with the default scale_wrt_gas=True."
             )
         return f"parameters are {(got['params'] - ref).abs().max().item():.2g} from the reference."
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from gas_lab.exercises.lesson02 import run_on_ranks
 from gas_lab.exercises.lesson03 import MICRO, run_windows, sgd_config
+from gas_lab.exercises.on_ranks import run_on_ranks
 from gas_lab.exercises.verdict import Verdict, check_cases
 from gas_lab.pitfalls import reference_params
 

@@ -1,8 +1,8 @@
 """Checkers for lesson 06 (rejected combinations, and the ones accepted but silently wrong).
 
 Exercise 1 asks for a prediction per scenario: "accepted", "rejected" or "silently wrong". The
-answer key is not typed in here: it comes from the rules data (:func:`gas_lab.rules.predict`,
-checked against DeepSpeed's measured matrix) and the traps (:data:`gas_lab.rules.TRAPS`, each
+answer key is not typed in here: it comes from the rules data (:func:`gas_lab.prediction.predict`,
+checked against DeepSpeed's measured matrix) and the traps (:data:`gas_lab.traps.TRAPS`, each
 measured on DeepSpeed in the lesson). Exercise 2 asks for the initialize-time rules as code and
 grades it against every relevant case of the measured matrix.
 """
@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from gas_lab import rules
+from gas_lab import prediction, traps
 from gas_lab.exercises.verdict import Verdict, check_cases
-from gas_lab.rules import Loop
+from gas_lab.traps import Loop
 
 ANSWERS = ("accepted", "rejected", "silently wrong")
 BASE = {
@@ -71,16 +71,16 @@ SCENARIOS: dict[str, Scenario] = {
 
 def expected(s: Scenario) -> tuple[str, str]:
     """``(answer, why)`` from the rules data: rejected by a rule, caught by a trap, or neither."""
-    flag = [t for t in rules.traps(s.config, s.facts) if t.name == "managed_flag_not_false"]
+    flag = [t for t in traps.traps(s.config, s.facts) if t.name == "managed_flag_not_false"]
     if flag:  # gas_lab refuses to parse such a config; DeepSpeed runs it, silently managed
         return "silently wrong", f"{flag[0].symptom} Rule: {flag[0].fix}."
-    rule, op = rules.predict(s.config, s.ops)
+    rule, op = prediction.predict(s.config, s.ops)
     if rule is not None:
-        where = op if op == "initialize" else f"{rules.OP_ACTIONS.get(op, op)}()"
+        where = op if op == "initialize" else f"{prediction.OP_ACTIONS.get(op, op)}()"
         return "rejected", (
             f"rule {rule.name}: DeepSpeed raises {rule.deepspeed_raises} at {where}. {rule.reason}"
         )
-    caught = rules.traps(s.config, s.facts)
+    caught = traps.traps(s.config, s.facts)
     if caught:
         return "silently wrong", f"{caught[0].symptom} Rule: {caught[0].fix}."
     return "accepted", "it runs, and nothing known goes wrong."
@@ -116,7 +116,7 @@ def check_predictions(fn: Callable[[], dict]) -> Verdict:
 def initialize_cases() -> list[dict]:
     """The measured cases whose fate is decided by the config alone (fp32, no offload)."""
     out = []
-    for case in rules.measured_matrix()["cases"]:
+    for case in prediction.measured_matrix()["cases"]:
         axes = case["axes"]
         grid = case["group"] == "grid" and axes["precision"] == "fp32" and axes["offload"] == "none"
         config = case["group"] == "config" and axes["check"] in ("sgd_untested", "max_grad_norm")
@@ -135,7 +135,7 @@ def _refusal_case(fn: Callable, case: dict):
             return None
         if refused:
             return (
-                f"DeepSpeed {rules.measured_matrix()['deepspeed_version']} refuses it "
+                f"DeepSpeed {prediction.measured_matrix()['deepspeed_version']} refuses it "
                 f"(measured: {case['exception']}: {case['message'][:90]}), your function accepts."
             )
         return "DeepSpeed accepts it (measured), your function refuses it."

@@ -1,0 +1,63 @@
+"""What DeepSpeed does with a config and a script of engine calls, predicted from the rules.
+
+``tools/measure_matrix.py`` ran DeepSpeed 0.19.8 on 2 CPU ranks for every combination that
+matters and wrote down what happened: accepted, or which exception at which call. That file is
+:func:`measured_matrix`. :func:`predict` answers the same question from the data in
+``gas_lab/rules.py`` alone, walking the same script of calls; ``tests/test_rules.py`` checks
+that the two agree on every measured case, so the rules are known to be complete::
+
+    rule, op = predict(config, ["enter_no_sync", "backward", "step"])
+    rule.name, op    # ("step_in_no_sync", "step"); (None, None) when DeepSpeed runs it
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+from gas_lab.config import parse
+from gas_lab.rules import ALL_RULES, Rule, Situation, first_violation
+
+# What each op of tools/measure_matrix.py calls on the engine (ops not listed check nothing).
+OP_ACTIONS = {
+    "set_boundary_true": "set_gradient_accumulation_boundary",
+    "set_boundary_false": "set_gradient_accumulation_boundary",
+    "enter_no_sync": "no_sync",
+    "enter_coalesce": "coalesce_grad_reduction",
+    "step": "step",
+    "tensor_backward": "tensor.backward",
+}
+
+
+def predict(
+    config: dict, ops: Sequence[str] = (), pipeline: bool = False
+) -> tuple[Rule | None, str | None]:
+    """What DeepSpeed 0.19.8 does (on the CPU accelerator, as measured), from the rules data
+    alone: ``(rule, op)`` for the first refusal (``op`` is "initialize" or one of ``ops``, the
+    op names of ``tools/measure_matrix.py``), or ``(None, None)`` if it runs.
+
+    Raises ``config.ConfigError`` for configs gas_lab refuses to parse (DeepSpeed is more
+    lenient: it ignores unknown keys and takes ``"no"`` for true).
+    """
+    cfg = parse(config)
+    inside = False  # inside no_sync() or coalesce_grad_reduction(): both suspend the reduction
+    for op in ("initialize", *ops):
+        action = OP_ACTIONS.get(op, op)
+        rule = first_violation(Situation(cfg, action, inside, pipeline), ALL_RULES)
+        if rule is not None:
+            return rule, op
+        if op in ("enter_no_sync", "enter_coalesce"):
+            inside = True
+        elif op in ("exit_no_sync", "exit_coalesce"):
+            inside = False
+    return None, None
+
+
+def measured_matrix(path: str | Path | None = None) -> dict:
+    """The matrix measured on the installed DeepSpeed version (``data/`` in the repository)."""
+    if path is None:
+        version = importlib.metadata.version("deepspeed")  # without importing it (slow)
+        path = Path(__file__).resolve().parents[1] / "data" / f"deepspeed_{version}_matrix.json"
+    return json.loads(Path(path).read_text())
