@@ -1,43 +1,17 @@
 """Lesson 02 checkers: solutions pass, untouched stubs are 'todo', classic mistakes fail loudly."""
 
 import contextlib
-import importlib.util
-from pathlib import Path
 
 import pytest
+from exercise_support import assert_failed, assert_todo, load_solutions, todo
 
 from gas_lab.exercises.lesson02 import (
     check_average_gradients,
     check_ddp_accumulation_step,
     check_gas_for,
 )
-from gas_lab.exercises.verdict import ExerciseFailed
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _solutions():
-    spec = importlib.util.spec_from_file_location("s02", ROOT / "solutions" / "lesson02.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-SOL = _solutions()
-
-
-def _todo(*args):
-    raise NotImplementedError
-
-
-def _assert_failed(verdict, case, *words):
-    assert verdict.status == "failed", str(verdict)
-    assert f"case '{case}'" in verdict.message, verdict.message
-    for word in words:
-        assert word in verdict.message, verdict.message
-    assert verdict.details and verdict.details[0].startswith("Hint:")
-    with pytest.raises(ExerciseFailed):
-        verdict.raise_if_failed()
+SOL = load_solutions(2)
 
 
 # ---------------------------------------------------------------- exercise 3 (one process)
@@ -47,18 +21,18 @@ def test_gas_for_solution_passes():
 
 
 def test_gas_for_stub_is_todo():
-    assert check_gas_for(_todo).status == "todo"
+    assert_todo(check_gas_for(todo))
 
 
 def test_gas_for_forgetting_the_world_size_is_named():
-    _assert_failed(
+    assert_failed(
         check_gas_for(lambda b, m, w: b // m), "global 16, micro 2, world 2", "world size"
     )
 
 
 def test_gas_for_rounding_down_instead_of_refusing_is_caught():
     verdict = check_gas_for(lambda b, m, w: b // (m * w))
-    _assert_failed(verdict, "global 12, micro 2, world 4", "returned 1", "1.5", "ValueError")
+    assert_failed(verdict, "global 12, micro 2, world 4", "returned 1", "1.5", "ValueError")
     assert verdict.cases_passed == 2
 
 
@@ -116,16 +90,15 @@ def test_rank_solutions_pass_and_stubs_are_todo(cluster):
     ):
         verdict = check(solution, cluster).raise_if_failed()
         assert verdict.cases_passed == verdict.cases_total == 2
-        todo = check(_todo, cluster)
-        assert todo.status == "todo" and "NotImplementedError" in todo.message
+        assert_todo(check(todo, cluster))
 
 
 @pytest.mark.ranks
 def test_average_gradients_mistakes_are_named(cluster):
-    _assert_failed(
+    assert_failed(
         check_average_gradients(_sum_only, cluster), "batch seed 0", "2x", "SUM", "world size"
     )
-    _assert_failed(
+    assert_failed(
         check_average_gradients(_no_communication, cluster),
         "batch seed 0",
         "its own gradient",
@@ -151,16 +124,16 @@ def test_average_gradients_error_on_a_rank_is_reported(cluster):
 def test_ddp_step_mistakes_are_named(cluster):
     for wrong in (_naive, _no_sync_around_backward_only):
         verdict = check_ddp_accumulation_step(wrong, cluster)
-        _assert_failed(verdict, "N = 3 micro-batches", "right parameters", "3 all-reduces")
+        assert_failed(verdict, "N = 3 micro-batches", "right parameters", "3 all-reduces")
         assert "forward as well as the backward" in verdict.message
         assert verdict.cases_passed == 1  # with N = 1 every loop reduces exactly once
-    _assert_failed(
+    assert_failed(
         check_ddp_accumulation_step(_never_syncs, cluster),
         "N = 1 micro-batches",
         "drifted apart",
         "0 all-reduces",
     )
-    _assert_failed(
+    assert_failed(
         check_ddp_accumulation_step(_forgot_divide, cluster),
         "N = 3 micro-batches",
         "3x too large",

@@ -1,43 +1,15 @@
 """Lesson 05 checkers: solutions pass, untouched stubs are 'todo', classic mistakes fail loudly."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
+from exercise_support import assert_failed, assert_todo, load_solutions, todo
 
 from gas_lab.exercises.lesson05 import (
     check_global_norm,
     check_gradient_shard,
     check_shard_ranges,
 )
-from gas_lab.exercises.verdict import ExerciseFailed
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _solutions():
-    # solutions/ is not a package on purpose (handed out separately): load it by path
-    spec = importlib.util.spec_from_file_location("s05", ROOT / "solutions" / "lesson05.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-SOL = _solutions()
-
-
-def _todo(*args):
-    raise NotImplementedError
-
-
-def _assert_failed(verdict, case, *words):
-    assert verdict.status == "failed", str(verdict)
-    assert f"case '{case}'" in verdict.message, verdict.message
-    for word in words:
-        assert word in verdict.message, verdict.message
-    assert verdict.details and verdict.details[0].startswith("Hint:")
-    with pytest.raises(ExerciseFailed):
-        verdict.raise_if_failed()
+SOL = load_solutions(5)
 
 
 # ---------------------------------------------------------------- exercise 1 (no ranks)
@@ -47,7 +19,7 @@ def test_shard_range_solution_passes():
 
 
 def test_shard_range_todo():
-    assert check_shard_ranges(_todo).status == "todo"
+    assert_todo(check_shard_ranges(todo))
 
 
 def test_shard_range_without_padding_loses_elements():
@@ -56,7 +28,7 @@ def test_shard_range_without_padding_loses_elements():
         return rank * size, (rank + 1) * size
 
     # 58 / 2 divides evenly (and 29 is what a floor gives); 43 / 2 loses an element
-    _assert_failed(check_shard_ranges(floor), "numel 58, world size 2", "multiple of 2")
+    assert_failed(check_shard_ranges(floor), "numel 58, world size 2", "multiple of 2")
     assert check_shard_ranges(floor).cases_passed == 0
 
 
@@ -65,7 +37,7 @@ def test_shard_range_floor_is_named_where_elements_are_lost():
         size = numel // (2 * world) * 2
         return rank * size, (rank + 1) * size
 
-    _assert_failed(
+    assert_failed(
         check_shard_ranges(floor_aligned), "numel 58, world size 2", "belong to no rank", "round up"
     )
 
@@ -76,7 +48,7 @@ def test_shard_range_unaligned_ceil_is_named():
         return rank * size, (rank + 1) * size
 
     verdict = check_shard_ranges(ceil)
-    _assert_failed(verdict, "numel 58, world size 2", "not a multiple of 2")
+    assert_failed(verdict, "numel 58, world size 2", "not a multiple of 2")
 
 
 # ---------------------------------------------------------------- exercises 2-3 (2 ranks)
@@ -90,8 +62,8 @@ def test_rank_solutions_pass(cluster):
 
 @pytest.mark.ranks
 def test_rank_todos(cluster):
-    assert check_global_norm(_todo, cluster).status == "todo"
-    assert check_gradient_shard(_todo, cluster).status == "todo"
+    assert_todo(check_global_norm(todo, cluster))
+    assert_todo(check_gradient_shard(todo, cluster))
 
 
 def _local_norm(shard, group):
@@ -125,7 +97,7 @@ def _squared(shard, group):
     ids=["local", "sum-of-norms", "no-root"],
 )
 def test_global_norm_mistakes_are_named(cluster, wrong, words):
-    _assert_failed(check_global_norm(wrong, cluster), "43 elements", *words)
+    assert_failed(check_global_norm(wrong, cluster), "43 elements", *words)
 
 
 def _summed_shard(flat, group):
@@ -173,4 +145,4 @@ def _whole_vector(flat, group):
     ids=["sum", "other-shard", "unreduced", "whole-vector"],
 )
 def test_gradient_shard_mistakes_are_named(cluster, wrong, words):
-    _assert_failed(check_gradient_shard(wrong, cluster), "58 elements", *words)
+    assert_failed(check_gradient_shard(wrong, cluster), "58 elements", *words)

@@ -1,39 +1,11 @@
 """Lesson 07 checkers: solutions pass, untouched stubs are 'todo', classic mistakes fail loudly."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
+from exercise_support import assert_failed, assert_todo, load_solutions, todo
 
 from gas_lab.exercises.lesson07 import check_global_token_count, check_micro_batch_loss
-from gas_lab.exercises.verdict import ExerciseFailed
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _solutions():
-    # solutions/ is not a package on purpose (handed out separately): load it by path
-    spec = importlib.util.spec_from_file_location("s07", ROOT / "solutions" / "lesson07.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-SOL = _solutions()
-
-
-def _todo(*args):
-    raise NotImplementedError
-
-
-def _assert_failed(verdict, case, *words):
-    assert verdict.status == "failed", str(verdict)
-    assert f"case '{case}'" in verdict.message, verdict.message
-    for word in words:
-        assert word in verdict.message, verdict.message
-    assert verdict.details and verdict.details[0].startswith("Hint:")
-    with pytest.raises(ExerciseFailed):
-        verdict.raise_if_failed()
+SOL = load_solutions(7)
 
 
 # ---------------------------------------------------------------- exercise 1 (one process)
@@ -43,7 +15,7 @@ def test_micro_batch_loss_solution_passes():
 
 
 def test_micro_batch_loss_todo():
-    assert check_micro_batch_loss(_todo).status == "todo"
+    assert_todo(check_micro_batch_loss(todo))
 
 
 def test_forgetting_world_size_is_named():
@@ -51,7 +23,7 @@ def test_forgetting_world_size_is_named():
         return (tl * mask).sum() / all_tokens
 
     verdict = check_micro_batch_loss(no_world)
-    _assert_failed(verdict, "2 ranks with very different token counts", "1/2", "AVERAGES")
+    assert_failed(verdict, "2 ranks with very different token counts", "1/2", "AVERAGES")
     assert verdict.cases_passed == 1  # one rank: right by luck
 
 
@@ -59,7 +31,7 @@ def test_dividing_by_world_size_is_named():
     def divided(tl, mask, rank_tokens, all_tokens, world_size):
         return (tl * mask).sum() / all_tokens / world_size
 
-    _assert_failed(
+    assert_failed(
         check_micro_batch_loss(divided), "2 ranks with very different token counts", "0.25 x"
     )
 
@@ -69,7 +41,7 @@ def test_rank_tokens_is_named_with_its_error():
         return (tl * mask).sum() / rank_tokens
 
     verdict = check_micro_batch_loss(local)
-    _assert_failed(verdict, "2 ranks with very different token counts", "OWN tokens", "off by")
+    assert_failed(verdict, "2 ranks with very different token counts", "OWN tokens", "off by")
     off_by = float(verdict.message.split("off by ")[1].split("%")[0])
     assert off_by > 1.0
 
@@ -78,14 +50,14 @@ def test_own_mean_is_named():
     def own_mean(tl, mask, rank_tokens, all_tokens, world_size):
         return (tl * mask).sum() / mask.sum()
 
-    _assert_failed(check_micro_batch_loss(own_mean), "1 rank", "mean of means")
+    assert_failed(check_micro_batch_loss(own_mean), "1 rank", "mean of means")
 
 
 def test_counting_padding_is_named():
     def padding(tl, mask, rank_tokens, all_tokens, world_size):
         return tl.sum() / all_tokens * world_size
 
-    _assert_failed(check_micro_batch_loss(padding), "1 rank", "padding")
+    assert_failed(check_micro_batch_loss(padding), "1 rank", "padding")
 
 
 def test_detached_loss_is_reported():
@@ -105,7 +77,7 @@ def test_global_token_count_solution_passes(cluster):
 
 @pytest.mark.ranks
 def test_global_token_count_todo(cluster):
-    assert check_global_token_count(_todo, cluster).status == "todo"
+    assert_todo(check_global_token_count(todo, cluster))
 
 
 def _local_only(masks):
@@ -130,6 +102,14 @@ def _mean(masks):
     return total.item() / dist.get_world_size()
 
 
+def _forgot_return(masks):
+    import torch
+    import torch.distributed as dist
+
+    total = torch.tensor([sum(int(m.sum()) for m in masks)])
+    dist.all_reduce(total)
+
+
 @pytest.mark.ranks
 @pytest.mark.parametrize(
     ("wrong", "words"),
@@ -137,8 +117,9 @@ def _mean(masks):
         (_local_only, "own count: all_reduce"),
         (_padding, "padding counted"),
         (_mean, "keep the SUM"),
+        (_forgot_return, "returned None"),
     ],
 )
 def test_global_token_count_mistakes_are_named(cluster, wrong, words):
     verdict = check_global_token_count(wrong, cluster)
-    _assert_failed(verdict, "step 3: tokens per rank [111, 12]", words, "expected 123")
+    assert_failed(verdict, "step 3: tokens per rank [111, 12]", words, "expected 123")

@@ -1,8 +1,8 @@
 """Checkers for lesson 02 (data parallelism: ranks, averaging, ``no_sync``).
 
-Two exercises run the learner's function on every rank, so their checkers take the notebook's
-``cluster``; the third is arithmetic. :func:`run_on_ranks` is the shared plumbing: it turns a
-TODO on the ranks into a "todo" verdict and an exception on a rank into a short message.
+Two exercises run the learner's function on every rank (through
+:func:`~gas_lab.exercises.on_ranks.run_on_ranks`), so their checkers take the notebook's
+``cluster``; the third is arithmetic.
 """
 
 from __future__ import annotations
@@ -12,36 +12,13 @@ from collections.abc import Callable
 import torch
 
 from gas_lab.config import resolve_batch
+from gas_lab.exercises.on_ranks import run_on_ranks
 from gas_lab.exercises.verdict import Verdict, check_cases
 from gas_lab.parity import micro_batch, tiny_model
 from gas_lab.pitfalls import reference_params
 
 TOL = 1e-6  # float32 noise on these tiny models is ~1e-8
 LR = 0.1
-
-
-class RankFailure(RuntimeError):
-    """The learner's function raised on a rank; the message names the rank and the error."""
-
-
-def _on_rank(case: Callable, fn: Callable, args: tuple):
-    try:
-        return ("ok", case(fn, *args))
-    except NotImplementedError:
-        return ("todo", None)
-    except Exception as exc:  # report the learner's error, don't let the call blow up
-        return ("raised", f"{type(exc).__name__}: {exc}")
-
-
-def run_on_ranks(cluster, case: Callable, fn: Callable, *args, timeout: float = 30.0) -> list:
-    """``case(fn, *args)`` on every rank; NotImplementedError if any rank hit the TODO."""
-    results = cluster.run(_on_rank, case, fn, args, timeout=timeout)
-    if any(kind == "todo" for kind, _ in results):
-        raise NotImplementedError
-    for rank, (kind, value) in enumerate(results):
-        if kind == "raised":
-            raise RankFailure(f"on rank {rank}: {value}")
-    return [value for _, value in results]
 
 
 def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:

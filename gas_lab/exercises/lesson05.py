@@ -1,7 +1,7 @@
 """Checkers for lesson 05 (ZeRO-1: shards, the global norm, the gradient shard).
 
 Exercise 1 is arithmetic and runs here; exercises 2 and 3 run the learner's function on every
-rank, through ``run_on_ranks`` (lesson 02's plumbing), so their checkers take ``cluster``.
+rank, through ``run_on_ranks``, so their checkers take ``cluster``.
 Judges recognise the classic mistakes: no padding, unaligned shards, a shard's own norm instead
 of the global one, norms added instead of squares, a sum instead of a mean, the wrong shard.
 """
@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-from gas_lab.exercises.lesson02 import run_on_ranks
+from gas_lab.exercises.on_ranks import run_on_ranks
 from gas_lab.exercises.verdict import Verdict, check_cases
 from gas_lab.zero1 import ALIGNMENT, Layout
 
