@@ -30,19 +30,16 @@ html_theme_options = {"show_toc_level": 2}
 
 def _write_rules_table(app):
     """The rejected-combinations page is generated from gas_lab/rules.py, the one source."""
-    from gas_lab import rules
+    from gas_lab import rules, traps
 
-    rows = rules.table()
-    cols = list(rows[0])
-
-    def cell(value) -> str:
-        return str(value).replace("|", "\\|").replace("\n", " ")
-
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(cell(row[c]) for c in cols) + " |" for row in rows]
     out = DOCS / "_generated"
     out.mkdir(exist_ok=True)
-    (out / "rules_table.md").write_text("\n".join(lines) + "\n")
+    (out / "rules_table.md").write_text(rules.table_markdown() + "\n")
+    trap_rows = [
+        {"trap": t.name, "when": t.condition, "what goes wrong": t.symptom, "the rule": t.fix}
+        for t in traps.TRAPS
+    ]
+    (out / "traps_table.md").write_text(rules.table_markdown(trap_rows) + "\n")
 
 
 def setup(app):

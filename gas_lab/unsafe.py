@@ -189,5 +189,5 @@ def pretend_managed(ds_engine):
 
 
 def params_spread(flat_per_rank: list[torch.Tensor]) -> float:
-    """How far the ranks' replicas are apart: max |rank r - rank 0| over all parameters."""
+    """How far the ranks' replicas are apart: ``max |rank r - rank 0|`` over all parameters."""
     return max((f - flat_per_rank[0]).abs().max().item() for f in flat_per_rank)

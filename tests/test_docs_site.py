@@ -88,10 +88,11 @@ def test_executed_lesson_pages_show_outputs_and_figures(browser):
 
 def test_rules_page_has_the_generated_table(browser):
     _open(browser, "rules.html").save_screenshot(str(SHOTS / "rules.png"))
-    rows = browser.find_elements("css selector", "article table tbody tr")
-    from gas_lab import rules
+    from gas_lab import rules, traps
 
-    assert len(rows) == len(rules.table())
+    refusals, accepted_traps = browser.find_elements("css selector", "article table")
+    assert len(refusals.find_elements("css selector", "tbody tr")) == len(rules.table())
+    assert len(accepted_traps.find_elements("css selector", "tbody tr")) == len(traps.TRAPS)
 
 
 def test_api_reference_is_generated_from_docstrings(browser):
