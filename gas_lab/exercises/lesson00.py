@@ -48,3 +48,45 @@ def check_mean_across_ranks(fn, cluster) -> Verdict:
         hint="all_reduce sums into the tensor in place on every rank; the mean divides that "
         "sum by dist.get_world_size().",
     )
+
+
+def _gather_case(fn, losses):
+    """Runs on each rank: hand the learner's function this rank's loss (a float)."""
+    import torch.distributed as dist
+
+    out = fn(losses[dist.get_rank()])
+    return None if out is None else [float(v) for v in out]
+
+
+def check_losses_from_all_ranks(fn, cluster) -> Verdict:
+    """Run ``fn(loss)`` on every rank with a different loss each; expect every rank's list."""
+    w = cluster.world_size
+    cases = {
+        "losses 0.5, 1.5, ...": [0.5 + r for r in range(w)],
+        "equal losses": [2.0] * w,
+    }
+
+    def judge(losses):
+        def problem(results):
+            for rank, got in enumerate(results):
+                if got is None:
+                    return f"rank {rank} returned None; return the list of all ranks' losses."
+                if got == [losses[rank]]:
+                    return f"rank {rank} returned only its own loss {got}; expected {losses}."
+                if len(got) != w or any(
+                    abs(a - b) > 1e-6 for a, b in zip(got, losses, strict=True)
+                ):
+                    return f"rank {rank} returned {got}, expected {losses} (rank 0 first)."
+            return None
+
+        return problem
+
+    return check_cases(
+        "losses from all ranks",
+        [
+            (name, lambda v=v: run_on_ranks(cluster, _gather_case, fn, v), judge(v))
+            for name, v in cases.items()
+        ],
+        hint="all_gather fills a list of world-size tensors, one per rank in rank order, on every "
+        "rank; allocate that list first, then convert each tensor with .item().",
+    )
