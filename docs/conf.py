@@ -23,6 +23,14 @@ autodoc_member_order = "bysource"
 autodoc_typehints = "description"
 autodoc_mock_imports = []
 
+# MathJax from a pip package instead of a CDN, so formulas render in a room without internet.
+import jupyter_server_mathjax  # noqa: E402
+
+html_static_path = [str(Path(jupyter_server_mathjax.__file__).parent / "static")]
+mathjax_path = "MathJax.js?config=TeX-AMS-MML_HTMLorMML-full"  # MathJax 2, configured as such:
+mathjax2_config = {"tex2jax": {"inlineMath": [["\\(", "\\)"]], "displayMath": [["\\[", "\\]"]]}}
+myst_update_mathjax = False  # MyST would add a MathJax 3 option that MathJax 2 misreads
+
 html_theme = "sphinx_book_theme"
 html_title = "gas_lab: gradient accumulation, one device to ZeRO-1"
 html_theme_options = {"show_toc_level": 2}

@@ -86,6 +86,16 @@ def test_executed_lesson_pages_show_outputs_and_figures(browser):
     assert broken == [], f"figures that did not render: {broken}"
 
 
+def test_math_renders_without_internet(browser):
+    """MathJax ships with the site (no CDN): formulas are typeset, not left as raw TeX."""
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    _open(browser, "lessons/01_single_device.html")
+    typeset = "return document.querySelectorAll('article .MathJax, article .MathJax_CHTML').length"
+    WebDriverWait(browser, 30).until(lambda b: b.execute_script(typeset) > 0)
+    assert "\\frac" not in browser.find_element("tag name", "article").text
+
+
 def test_rules_page_has_the_generated_table(browser):
     _open(browser, "rules.html").save_screenshot(str(SHOTS / "rules.png"))
     from gas_lab import rules, traps
