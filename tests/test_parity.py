@@ -2,38 +2,9 @@
 collectives, and the refusals of rules.py."""
 
 import pytest
+from parity_support import ADAM, ADAM_L2, ADAMW, SGD, TOL, assert_same, config, run_case
 
 pytestmark = pytest.mark.ranks
-
-TOL = 1e-6
-SGD = {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}}
-ADAM = {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}}
-ADAMW = {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1, "torch_adam": True}}
-ADAM_L2 = {  # adam_w_mode false: torch.optim.Adam, weight decay as an L2 term in the gradient
-    "type": "Adam",
-    "params": {"lr": 1e-2, "weight_decay": 0.1, "adam_w_mode": False, "torch_adam": True},
-}
-
-
-def config(optimizer, gas, managed=True, **extra):
-    return {
-        "train_micro_batch_size_per_gpu": 2,
-        "gradient_accumulation_steps": gas,
-        "managed_gradient_accumulation": managed,
-        "optimizer": optimizer,
-        **extra,
-    }
-
-
-def _parity(cfg, kw):
-    from gas_lab.parity import run_parity
-
-    kw = dict(kw)
-    if kw.pop("per_rank_n", False):  # ranks run different numbers of micro-batches
-        kw["micro_batches"] = lambda step, rank: 1 + (step + 2 * rank) % 4
-    r = run_parity(cfg, **kw)
-    return r.max_abs_diff, r.counters, r.collectives, r.losses["gas_lab"][0]
-
 
 CASES = {
     "managed-sgd-gas1": (config(SGD, 1), {}),
@@ -56,14 +27,9 @@ CASES = {
 @pytest.mark.parametrize("name", list(CASES))
 def test_gas_lab_matches_deepspeed(cluster, name):
     cfg, kw = CASES[name]
-    results = cluster.run(_parity, cfg, kw, timeout=120)
-    for diff, counters, collectives, _ in results:
-        assert diff <= TOL, f"{name}: max |gas_lab - DeepSpeed| = {diff:.3g}"
-        assert counters["gas_lab"] == counters["deepspeed"]
-        assert collectives["gas_lab"] == collectives["deepspeed"]
-    # Ranks saw different data (the test would be vacuous otherwise) ...
-    assert results[0][3] != results[1][3]
-    # ... and still end with the same counters of optimizer steps.
+    results = cluster.run(run_case, cfg, kw, timeout=120)
+    assert_same(results, name)
+    # The ranks saw different data and still end with the same counters of optimizer steps.
     assert [c["gas_lab"][-1][0] for _, c, _, _ in results] == [results[0][1]["gas_lab"][-1][0]] * 2
 
 

@@ -6,27 +6,16 @@ import functools
 
 import pytest
 import torch
+from parity_support import ADAM, ADAMW, SGD, TOL, assert_same, run_case
+from parity_support import config as shared_config
 
 from gas_lab.engine import initialize
 from gas_lab.parity import micro_batch, tiny_model
 from gas_lab.zero1 import ALIGNMENT, Layout, ShardedUpdate, clip_sharded
 
-TOL = 1e-6
-SGD = {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}}
-ADAM = {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}}
-ADAMW = {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1, "torch_adam": True}}
-
 
 def config(optimizer, gas, managed=True, stage=1, **extra):
-    return {
-        "train_micro_batch_size_per_gpu": 2,
-        "gradient_accumulation_steps": gas,
-        "managed_gradient_accumulation": managed,
-        "optimizer": optimizer,
-        "zero_optimization": {"stage": stage},
-        "zero_allow_untested_optimizer": True,  # SGD under ZeRO needs the opt-in in DeepSpeed
-        **extra,
-    }
+    return shared_config(optimizer, gas, managed, stage, **extra)
 
 
 class PartlyFrozen(torch.nn.Module):
@@ -171,18 +160,6 @@ def test_clipping_uses_the_global_norm(cluster):
 
 
 # ---------------------------------------------------------------- 2 ranks: == DeepSpeed
-def _parity(cfg, kw):
-    from gas_lab.parity import run_parity
-
-    kw = dict(kw)
-    if kw.pop("per_rank_n", False):  # ranks run different numbers of micro-batches
-        kw["micro_batches"] = lambda step, rank: 1 + (step + 2 * rank) % 4
-    if kw.pop("partly_frozen", False):
-        kw["model_fn"] = PartlyFrozen
-    r = run_parity(cfg, **kw)
-    return r.max_abs_diff, r.counters, r.collectives, r.losses["gas_lab"][0]
-
-
 CASES = {
     "managed-sgd-gas3": (config(SGD, 3), {}),
     "managed-sgd-gas1-noclip": (config(SGD, 1, gradient_clipping=0.0), {}),
@@ -210,12 +187,7 @@ CASES = {
 @pytest.mark.parametrize("name", list(CASES))
 def test_stage_1_matches_deepspeed(cluster, name):
     cfg, kw = CASES[name]
-    results = cluster.run(_parity, cfg, kw, timeout=120)
-    for diff, counters, collectives, _ in results:
-        assert diff <= TOL, f"{name}: max |gas_lab - DeepSpeed| = {diff:.3g}"
-        assert counters["gas_lab"] == counters["deepspeed"]
-        assert collectives["gas_lab"] == collectives["deepspeed"]
-    assert results[0][3] != results[1][3]  # the ranks saw different data
+    assert_same(cluster.run(run_case, cfg, kw, timeout=120), name)
 
 
 @pytest.mark.ranks
@@ -226,7 +198,7 @@ def test_stage_1_matches_deepspeed(cluster, name):
 )
 def test_frozen_unused_and_uneven_match_deepspeed(cluster, cfg, kw):
     steps = 3
-    results = cluster.run(_parity, cfg, {**kw, "partly_frozen": True, "steps": steps})
+    results = cluster.run(run_case, cfg, {**kw, "model_fn": PartlyFrozen, "steps": steps})
     unused_bytes = PartlyFrozen(0).unused.numel() * 4
     for diff, counters, collectives, _ in results:
         assert diff <= TOL and counters["gas_lab"] == counters["deepspeed"]
