@@ -35,6 +35,7 @@ import tempfile
 import time
 
 from gas_lab.on_rank import call_on_rank, exec_on_rank, setup_rank
+from gas_lab.rank_errors import RankError, RankStallError, error_text
 
 DEFAULT_TIMEOUT = 60.0  # seconds a call may run before its unfinished ranks count as stalled
 # Harmless lines DeepSpeed prints on a CPU-only machine while probing optional features
@@ -44,37 +45,6 @@ _NOISE = re.compile(
     r"|^\s+return func\(\*args, \*\*kwargs\)$"
 )
 ERROR_GRACE = 5.0  # after one rank fails, how long the others get to finish before we stop waiting
-
-
-class RankError(RuntimeError):
-    """A function or cell raised on one or more ranks. ``.errors`` maps rank -> traceback text."""
-
-    def __init__(self, errors: dict[int, str], stalled: list[int], restarted: bool):
-        self.errors, self.stalled = errors, stalled
-        first = min(errors)
-        lines = [f"rank {first} raised {errors[first].strip().splitlines()[-1]}"]
-        if len(errors) > 1:
-            lines.append(f"(ranks {sorted(errors)} all raised; rank {first}'s traceback below)")
-        if stalled:
-            lines.append(
-                f"ranks {stalled} were still waiting (most likely in a collective that rank "
-                f"{first} never reached)" + ("; the ranks were restarted." if restarted else ".")
-            )
-        lines += ["", f"--- traceback on rank {first} ---", errors[first].rstrip()]
-        super().__init__("\n".join(lines))
-
-
-class RankStallError(TimeoutError):
-    """Some ranks did not finish within the timeout. ``.stalled`` lists them."""
-
-    def __init__(self, stalled: list[int], finished: list[int], timeout: float):
-        self.stalled, self.finished = stalled, finished
-        super().__init__(
-            f"ranks {stalled} stalled: no result after {timeout:g} s "
-            f"(ranks {finished} finished). A rank usually stalls waiting in a collective "
-            "(all_reduce, barrier, ...) that another rank never joined. The ranks were "
-            "restarted; variables on the ranks are lost."
-        )
 
 
 def _free_port() -> int:
@@ -266,7 +236,7 @@ class Cluster:
         self._print_outputs(futures)
         ranked = list(zip(self.ranks, futures, strict=True))
         stalled = [r for r, f in ranked if not f.ready()]
-        errors = {r: _error_text(f) for r, f in ranked if failed(f)}
+        errors = {r: error_text(f) for r, f in ranked if failed(f)}
         if stalled and restart:
             self.restart()  # a half-finished collective poisons the process group
         if errors:
@@ -283,15 +253,6 @@ class Cluster:
                     if _NOISE.search(line):
                         continue
                     print(f"[rank {r}] {line}", file=out)
-
-
-def _error_text(future) -> str:
-    exc = future.exception()
-    if exc is None:
-        return future.get()[1]
-    # The rank itself died or ipyparallel failed: keep what it says, without colour codes.
-    tb = getattr(exc, "traceback", None) or f"{type(exc).__name__}: {exc}"
-    return re.sub(r"\x1b\[[0-9;]*m", "", "\n".join(tb) if isinstance(tb, list) else str(tb))
 
 
 def _kill(pids: list[int]) -> None:
