@@ -121,7 +121,9 @@ def global_count(local: int | float, group=None) -> float:
     Call it *before* the first backward of a step: to weigh every micro-batch (or sample) the
     same, each rank must divide by a number that counts every rank's data, not just its own.
     """
-    total = torch.tensor([float(local)], dtype=torch.float64)
+    on_gpu = dist.is_initialized() and dist.get_backend(group) == "nccl"  # nccl: GPU tensors only
+    device = f"cuda:{torch.cuda.current_device()}" if on_gpu else "cpu"
+    total = torch.tensor([float(local)], dtype=torch.float64, device=device)
     if dist.is_initialized():
         dist.all_reduce(total, group=group)
     return total.item()

@@ -27,6 +27,7 @@ from torch import Tensor, nn
 
 from gas_lab.accumulate import Batch, Window, normalized_loss, token_loss
 from gas_lab.config import load_config
+from gas_lab.pitfalls import global_count
 
 
 # ---------------------------------------------------------------- the model
@@ -117,15 +118,11 @@ class StepCounts:
     world_size: int
 
     @classmethod
-    def of(cls, micro_batches: list[Batch], device=None) -> StepCounts:
+    def of(cls, micro_batches: list[Batch]) -> StepCounts:
         local = Window.of(micro_batches)
-        # On the compute device: nccl only reduces GPU tensors. Every rank must call this.
-        total = torch.tensor([local.n_tokens], dtype=torch.int64, device=device)
-        world = 1
-        if dist.is_initialized():
-            dist.all_reduce(total)
-            world = dist.get_world_size()
-        return cls(local, int(total.item()), world)
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        # Every rank must call this (one all-reduce), before its first backward of the step.
+        return cls(local, int(global_count(local.n_tokens)), world)
 
 
 def micro_batch_loss(token_losses: Tensor, mask: Tensor, scaling: str, counts: StepCounts):
@@ -189,7 +186,7 @@ class RolloutRun:
         """Train on this step's rollouts; return the step's metrics (the same on every rank)."""
         gas = self.engine.gradient_accumulation_steps() if self.managed else None
         micro = rollouts(step, self.rank, self.seed, self.spec, n_micro=gas)
-        counts = StepCounts.of(micro, self.device)  # before the first backward
+        counts = StepCounts.of(micro)  # before the first backward
         summed = torch.zeros((), dtype=torch.float64, device=self.device)
         for mb in micro:
             mb = to_device(mb, self.device)
