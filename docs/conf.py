@@ -37,27 +37,27 @@ html_theme_options = {"show_toc_level": 2}
 
 
 def _write_rules_table(app):
-    """The rejected-combinations page is generated from gas_lab/rules.py, the one source."""
-    from gas_lab import rules, traps
+    """The rejected-combinations page is generated from gas_lab/rules/refusals.py, the one source."""
+    from gas_lab.rules import refusals, traps
 
     out = DOCS / "_generated"
     out.mkdir(exist_ok=True)
     # A narrow table to scan, then each rule's long fields as its own short section: seven
     # columns of sentences do not fit a page.
-    rows = rules.table()
+    rows = refusals.table()
     summary = [{k: row[k] for k in ("rule", "when", "condition")} for row in rows]
     details = [
         f"**`{row['rule']}`**\n\n"
         + "\n".join(f"- **{key}**: {value}" for key, value in row.items() if key not in summary[0])
         for row in rows
     ]
-    (out / "rules_table.md").write_text(rules.table_markdown(summary) + "\n")
+    (out / "rules_table.md").write_text(refusals.table_markdown(summary) + "\n")
     (out / "rules_details.md").write_text("\n\n".join(details) + "\n")
     trap_rows = [
         {"trap": t.name, "when": t.condition, "what goes wrong": t.symptom, "the rule": t.fix}
         for t in traps.TRAPS
     ]
-    (out / "traps_table.md").write_text(rules.table_markdown(trap_rows) + "\n")
+    (out / "traps_table.md").write_text(refusals.table_markdown(trap_rows) + "\n")
 
 
 def setup(app):

@@ -4,6 +4,10 @@ The invariant: summing the gradients of N micro-batch losses gives the gradient 
 *meant* on the whole batch, but only if each micro-batch loss is scaled with counts of the
 *whole accumulation window* (N, its samples, its real tokens), never of one micro-batch alone.
 
+Taught in lesson 01 (``tutorials/01_single_device.ipynb``); lesson 07 reuses :class:`Window`
+and :func:`normalized_loss` across ranks. The toy models and data are in
+:mod:`gas_lab.lessons.toys`.
+
 Conventions: a loss function ``loss_fn(model, batch)`` returns per-token losses of shape
 ``(batch, tokens)``. A batch without a mask has one loss term per sample (``tokens == 1``).
 """
@@ -180,59 +184,7 @@ def compare_grads(got: Grads, ref: Grads) -> GradDiff:
     return GradDiff(abs_, rel)
 
 
-# ---------------------------------------------------------------- tiny models and data
-def make_mlp(seed: int = 0, d_in: int = 8, hidden: int = 16, norm: str | None = None) -> nn.Module:
-    """Linear → [BatchNorm1d | LayerNorm] → tanh → Linear(1), seeded."""
-    torch.manual_seed(seed)
-    norms = {None: nn.Identity, "batch": nn.BatchNorm1d, "layer": nn.LayerNorm}
-    return nn.Sequential(
-        nn.Linear(d_in, hidden), norms[norm](hidden), nn.Tanh(), nn.Linear(hidden, 1)
-    )
-
-
-class TinySeqModel(nn.Module):
-    """Embedding → tanh(Linear) → vocabulary logits, one prediction per token; seeded."""
-
-    def __init__(self, seed: int = 0, vocab: int = 16, dim: int = 8):
-        super().__init__()
-        torch.manual_seed(seed)
-        self.embed = nn.Embedding(vocab, dim)
-        self.mix = nn.Linear(dim, dim)
-        self.head = nn.Linear(dim, vocab)
-
-    def forward(self, tokens: Tensor) -> Tensor:
-        return self.head(torch.tanh(self.mix(self.embed(tokens))))
-
-
-def regression_batch(n: int, seed: int = 0, d_in: int = 8) -> Batch:
-    """``y = x @ w + noise`` with a fixed ``w``; ``seed`` picks the samples."""
-    w = torch.linspace(-1.0, 1.0, d_in).unsqueeze(1)
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, d_in, generator=g)
-    return Batch(x, x @ w + 0.1 * torch.randn(n, 1, generator=g))
-
-
-def sequence_batch(
-    lengths: Sequence[int], max_len: int | None = None, seed: int = 0, vocab: int = 16
-) -> Batch:
-    """Random token sequences padded to ``max_len``; target = next token id (mod vocab)."""
-    max_len = max_len or max(lengths)
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randint(0, vocab, (len(lengths), max_len), generator=g)
-    mask = (torch.arange(max_len) < torch.tensor(lengths).unsqueeze(1)).long()
-    return Batch(x * mask, (x + 1) % vocab * mask, mask)  # padding is token 0, target 0
-
-
-def spread_lengths(n: int, max_len: int, spread: float) -> list[int]:
-    """n lengths from ``max_len`` down to ``max_len * (1 - spread)``, longest first.
-
-    Sorted on purpose: length-grouped samplers put similar lengths together, so micro-batches
-    end up with very different token counts, the case where normalization matters most.
-    """
-    shortest = max(1, round(max_len * (1.0 - spread)))
-    return [round(max_len - (max_len - shortest) * i / max(n - 1, 1)) for i in range(n)]
-
-
+# ---------------------------------------------------------------- loss functions
 def mse_loss(model: nn.Module, batch: Batch) -> Tensor:
     """Per-sample squared error, shape ``(batch, 1)``."""
     return (model(batch.x) - batch.y).pow(2).mean(dim=1, keepdim=True)
@@ -246,7 +198,7 @@ def token_loss(model: nn.Module, batch: Batch) -> Tensor:
 
 
 # ---------------------------------------------------------------- a training loop
-def train(
+def train_one_device(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     batches: Sequence[Batch],

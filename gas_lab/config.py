@@ -11,6 +11,8 @@ The batch invariant, as DeepSpeed states it::
 
 Give any two of the three and the third is derived (integer division, as DeepSpeed does, then
 the invariant is checked, so 10 = 3 x ? x 1 is an error rather than a silent 9).
+
+Taught alongside the engine in lesson 03; lesson 06 explains the refusals it applies.
 """
 
 from __future__ import annotations
@@ -20,16 +22,8 @@ from typing import Annotated, Any
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from gas_lab import rules
-from gas_lab.rules import GasLabError, NotImplementedInGasLab
-
-
-class ConfigError(GasLabError, ValueError):
-    """A bad config: ``path`` is the key (``zero_optimization.stage``), ``reason`` the problem."""
-
-    def __init__(self, path: str, reason: str):
-        self.path, self.reason = path, reason
-        super().__init__(f"config key '{path}': {reason}")
+from gas_lab.errors import ConfigError, NotImplementedInGasLab
+from gas_lab.rules import refusals
 
 
 class _Section(BaseModel):
@@ -127,7 +121,7 @@ class GasConfig(_Section):
     bf16: _Switch = Field(default_factory=_Switch)
     fp16: _Switch = Field(default_factory=_Switch)
     compile: CompileConfig = Field(default_factory=CompileConfig)
-    amp: dict | None = None  # present only so rules.py can say why it is refused
+    amp: dict | None = None  # present only so gas_lab/rules/refusals.py can say why it is refused
     pipeline: dict | None = None  # DeepSpeed's pipeline section; used only with PipelineModule
     steps_per_print: int | None = None  # logging only
     wall_clock_breakdown: bool = False  # logging only
@@ -188,8 +182,8 @@ def _pydantic_to_config_error(err: ValidationError, prefix: str = "") -> ConfigE
 def load_config(config: dict | GasConfig, world_size: int = 1) -> GasConfig:
     """Validate a DeepSpeed-style dict, fill in defaults and batch numbers, apply the rules.
 
-    Raises ConfigError (a bad key or value), rules.RejectedCombination (a combination DeepSpeed
-    refuses at initialize) or rules.NotImplementedInGasLab (fine in DeepSpeed, not taught here).
+    Raises ConfigError (a bad key or value), refusals.RejectedCombination (a combination DeepSpeed
+    refuses at initialize) or refusals.NotImplementedInGasLab (fine in DeepSpeed, not taught here).
     """
     cfg = parse(config)
     batch = resolve_batch(
@@ -203,7 +197,7 @@ def load_config(config: dict | GasConfig, world_size: int = 1) -> GasConfig:
     )
     cfg.world_size = world_size
     # Model-independent rules; engine.initialize checks again once it knows the model.
-    rules.enforce(rules.Situation(config=cfg), "initialize")
+    refusals.enforce(refusals.Situation(config=cfg))
     return cfg
 
 

@@ -10,22 +10,71 @@ optimizer step keeps the copies identical.
    averaging is linear: reducing the sum once gives the same result as summing the reductions.
 2. :class:`NoSyncDataParallel` adds ``no_sync()``: inside it backward() only accumulates
    locally; the last micro-batch's backward(), outside it, reduces once. 1 all-reduce per step.
-3. :class:`AllReduceUpdate` is what ``gas_lab.engine`` uses at ZeRO stage 0, shaped like
-   DeepSpeed's: gradients reduced in large buckets, then clipped by their global norm, then
-   one optimizer step. The engine decides *when* (the accumulation boundary); this decides how.
+
+Taught in lesson 02 (``tutorials/02_ddp.ipynb``). The pieces every data-parallel loop of the
+course shares live here too: the process group (:func:`init_from_env`, :func:`default_group`),
+:func:`broadcast_parameters`, :func:`all_reduce_mean`, :func:`global_count` (a count over all
+ranks, lesson 04) and clipping by the global norm (:func:`clip_by_norm`). Stage 0's update at
+the boundary, built from them, is :class:`gas_lab.update.AllReduceUpdate`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 
+def init_from_env(init_method: str = "env://", timeout_s: float = 120.0) -> str:
+    """Join the default process group the way ``torchrun`` scripts do; returns the backend.
+
+    One process per GPU with nccl where CUDA exists; otherwise gloo on the CPU, with
+    ``DS_ACCELERATOR=cpu`` so DeepSpeed does not look for a GPU. Ranks come from ``RANK`` and
+    ``WORLD_SIZE``; a plain ``python`` process (no ``RANK``) gets a group of one, because
+    DeepSpeed needs a group even alone. Sets the launcher variables DeepSpeed reads.
+    """
+    if torch.cuda.is_available():
+        backend = "nccl"
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    else:
+        backend = "gloo"
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if backend == "nccl" else "cpu")
+    if not dist.is_initialized():
+        timeout = timedelta(seconds=timeout_s)
+        if "RANK" in os.environ:
+            dist.init_process_group(
+                backend,
+                init_method=init_method,
+                rank=int(os.environ["RANK"]),
+                world_size=int(os.environ["WORLD_SIZE"]),
+                timeout=timeout,
+            )
+        else:
+            store = dist.HashStore()
+            dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=timeout)
+    # DeepSpeed reads the launcher's variables even when the group already exists.
+    os.environ.setdefault("LOCAL_RANK", str(dist.get_rank() % max(torch.cuda.device_count(), 1)))
+    os.environ.setdefault("RANK", str(dist.get_rank()))
+    os.environ.setdefault("WORLD_SIZE", str(dist.get_world_size()))
+    return dist.get_backend()
+
+
 def default_group():
-    """The default process group if one exists, else None (a single process)."""
-    return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+    """The data-parallel process group gas_lab's engine uses, found as DeepSpeed finds it.
+
+    The default group if one exists; else one started from torchrun's ``RANK``,
+    ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT``; else None (a single process: no
+    collectives at all).
+    """
+    if dist.is_available() and dist.is_initialized():
+        return dist.group.WORLD
+    if {"RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"} <= os.environ.keys():
+        init_from_env()
+        return dist.group.WORLD
+    return None
 
 
 def broadcast_parameters(module: torch.nn.Module, group=None) -> None:
@@ -35,10 +84,6 @@ def broadcast_parameters(module: torch.nn.Module, group=None) -> None:
     src = dist.get_global_rank(group, 0)
     for p in module.parameters():
         dist.broadcast(p.data, src=src, group=group)
-
-
-# DeepSpeed's stage-0 bucket, in elements: a small model's gradients fit in one all-reduce.
-ALLREDUCE_BUCKET_ELEMENTS = 500_000_000
 
 
 def all_reduce_mean(tensors: list[torch.Tensor], group=None) -> None:
@@ -125,70 +170,40 @@ def train_step(model, optimizer, micro_batches, loss_fn) -> float:
     return total
 
 
-class AllReduceUpdate:
-    """Step 3, ZeRO stage 0: every rank keeps all the weights and the whole optimizer state.
+def global_count(local: int | float, group=None) -> float:
+    """The sum of ``local`` over all ranks (one 8-byte all-reduce), the same on every rank.
 
-    ``reduce_gradients()`` averages the gradients over ranks, one all-reduce per bucket;
-    ``update()`` clips, steps the optimizer and clears the gradients, identically on every rank,
-    which keeps the replicas equal. (``gas_lab.engine.UpdateStrategy`` is the interface.)
+    Call it *before* the first backward of a step: to weigh every micro-batch (or sample) the
+    same, each rank must divide by a number that counts every rank's data, not just its own.
     """
-
-    def __init__(self, params, optimizer, group, config):
-        # Frozen and empty parameters have nothing to reduce (DeepSpeed skips them too).
-        self.params = [p for p in params if p.requires_grad and p.numel() > 0]
-        self.optimizer = optimizer
-        self.group = group
-        self.max_norm = config.gradient_clipping
-
-    def reduce_gradients(self) -> None:
-        for p in self.params:
-            if p.grad is None:
-                # A parameter unused on this rank still joins the collective: every rank must
-                # reduce buffers of the same layout, or the all-reduce mixes up tensors.
-                p.grad = torch.zeros_like(p)
-        for bucket in _buckets([p.grad for p in self.params], ALLREDUCE_BUCKET_ELEMENTS):
-            all_reduce_mean(bucket, self.group)
-
-    def update(self) -> bool:
-        if self.max_norm > 0:
-            clip_by_global_norm(self.params, self.max_norm, self.group)
-        self.optimizer.step()
-        for p in self.params:
-            p.grad = None  # the next step accumulates from scratch
-        return True
+    on_gpu = dist.is_initialized() and dist.get_backend(group) == "nccl"  # nccl: GPU tensors only
+    device = f"cuda:{torch.cuda.current_device()}" if on_gpu else "cpu"
+    total = torch.tensor([float(local)], dtype=torch.float64, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(total, group=group)
+    return total.item()
 
 
-def _buckets(grads, max_elements):
-    """Group gradients by dtype, then into buckets that close once they exceed max_elements."""
-    by_dtype: dict[torch.dtype, list] = {}
-    for g in grads:
-        by_dtype.setdefault(g.dtype, []).append(g)
-    for same_dtype in by_dtype.values():
-        bucket, size = [], 0
-        for g in same_dtype:
-            bucket.append(g)
-            size += g.numel()
-            if size > max_elements:
-                yield bucket
-                bucket, size = [], 0
-        if bucket:
-            yield bucket
+def replicated_grad_norm(grads: list[torch.Tensor], group=None) -> torch.Tensor:
+    """The L2 norm of a gradient every rank holds whole (stage 0, after the reduction).
 
-
-def clip_by_global_norm(params, max_norm: float, group=None) -> torch.Tensor:
-    """Scale all gradients by min(1, max_norm / (norm + 1e-6)), the norm taken over *all* of them.
-
-    Called after the reduction, so the norm is that of the averaged gradient, the same on every
-    rank. DeepSpeed still averages the norm over ranks with a (4-byte) all-reduce, because with
-    expert-parallel layers the ranks' norms differ; gas_lab does the same, so the collective
-    counts match DeepSpeed's.
+    The norm is the same on every rank already. DeepSpeed still averages it over ranks with a
+    (4-byte) all-reduce, because with expert-parallel layers the ranks' norms differ; gas_lab
+    does the same, so the collective counts match DeepSpeed's. (ZeRO-1's shards need the sum
+    of squares over ranks instead: :func:`gas_lab.zero1.global_norm`.)
     """
-    grads = [p.grad for p in params if p.grad is not None]
     norm = torch.stack([g.detach().float().norm(2) for g in grads]).pow(2).sum().pow(0.5)
     if group is not None:
         norm = norm / float(dist.get_world_size(group))
         dist.all_reduce(norm, group=group)
+    return norm
+
+
+def clip_by_norm(grads: list[torch.Tensor], norm: torch.Tensor, max_norm: float) -> None:
+    """Clipping, the one function every stage uses: scale ``grads`` in place by
+    ``min(1, max_norm / (norm + 1e-6))``, where ``norm`` is the norm of the *whole* gradient
+    (torch's and DeepSpeed's formula). Clipping sees the accumulated gradient, once per step.
+    """
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     for g in grads:
-        g.mul_(coef)
-    return norm
+        g.mul_(coef.to(g.dtype))

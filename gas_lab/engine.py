@@ -22,41 +22,27 @@ A direct ``loss.backward()`` is seen by a hook on the model's output, as in Deep
 refused at ZeRO stage 0; at stage 1 it divides by GAS and reduces at the boundary like
 ``engine.backward(loss)``, but only ``engine.backward()`` counts towards ``global_samples``.
 
-The "reduce, then update" part is delegated to a small strategy object, so that ZeRO-1
-(``gas_lab/zero1.py``) can replace it without touching the counting logic here.
+The "reduce, then update" part is delegated to a small strategy object
+(:mod:`gas_lab.update`), so that ZeRO-1 (:mod:`gas_lab.zero1`) replaces it without touching
+the counting logic here.
+
+Taught in lessons 03 (managed, ``tutorials/03_managed.ipynb``) and 04 (unmanaged,
+``tutorials/04_unmanaged.ipynb``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
-from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
-from gas_lab import rules
 from gas_lab.config import GasConfig, load_config
-from gas_lab.dp import AllReduceUpdate
-from gas_lab.rules import NotImplementedInGasLab, Situation
-from gas_lab.zero1 import ShardedUpdate
-
-
-class UpdateStrategy(Protocol):
-    """What the engine needs from a "reduce gradients, then update" implementation.
-
-    Built as ``Strategy(params, optimizer, group, config)``; ``params`` are the module's
-    parameters, ``group`` the data-parallel process group (None: a single process). Stage 0
-    is ``gas_lab.dp.AllReduceUpdate``; stage 1 is ``gas_lab.zero1.ShardedUpdate``.
-    """
-
-    optimizer: torch.optim.Optimizer
-
-    def reduce_gradients(self) -> None:
-        """Make every rank hold the gradient averaged over ranks (called at the boundary)."""
-
-    def update(self) -> bool:
-        """Clip, step the optimizer, clear the gradients; return whether weights changed."""
+from gas_lab.dp import broadcast_parameters, default_group
+from gas_lab.errors import NotImplementedInGasLab
+from gas_lab.rules import refusals
+from gas_lab.rules.refusals import Situation
+from gas_lab.update import strategy_for
 
 
 class Engine(torch.nn.Module):
@@ -78,17 +64,9 @@ class Engine(torch.nn.Module):
         self._inside_engine_backward = False  # the output hooks leave engine.backward() alone
         self._direct_backward_seen = False  # a direct loss.backward() is running
         self._step_applied = False
-        self._broadcast_parameters()
+        broadcast_parameters(module, group)  # ranks may have initialized differently
         self._update = strategy_cls(list(module.parameters()), optimizer, group, config)
         self.optimizer = self._update.optimizer
-
-    def _broadcast_parameters(self):
-        # Ranks may have initialized differently; rank 0's weights win, one broadcast per tensor.
-        if self.group is None:
-            return
-        src = dist.get_global_rank(self.group, 0)
-        for p in self.module.parameters():
-            dist.broadcast(p.data, src=src, group=self.group)
 
     # -- the training loop ---------------------------------------------------------------------
     def forward(self, *inputs, **kwargs):
@@ -131,7 +109,7 @@ class Engine(torch.nn.Module):
         if self._inside_engine_backward:
             return grad
         if not self._direct_backward_seen:  # once per pass, however many outputs it reaches
-            rules.enforce(self._situation("tensor.backward"), "call")
+            refusals.enforce(self._situation("tensor.backward"))
             self._direct_backward_seen = True
             # Run once this pass ends (DeepSpeed's ZeRO optimizers use the same autograd call).
             torch.autograd.Variable._execution_engine.queue_callback(self._after_direct_backward)
@@ -143,29 +121,26 @@ class Engine(torch.nn.Module):
 
     def step(self, lr_kwargs=None):
         """Managed: update only at the boundary. Unmanaged: reduce, then update, every call."""
-        rules.enforce(self._situation("step"), "call")
+        refusals.enforce(self._situation("step"))
         self._step_applied = False
         self._inside_step = True
         try:
             if not self.managed_gradient_accumulation():
                 self._update.reduce_gradients()
             if self.is_gradient_accumulation_boundary():
-                self._take_model_step()
+                self._step_applied = self._update.update()
+                self.global_steps += 1
+                if self.managed_gradient_accumulation():
+                    self.global_samples += self.train_batch_size()
+                else:  # the caller chose how many micro-batches went into this update
+                    micro_batches, self._unmanaged_backward_count = (
+                        self._unmanaged_backward_count,
+                        0,
+                    )
+                    self.global_samples += self._config.samples_per_micro_batch * micro_batches
         finally:
             self._inside_step = False
         self.micro_steps += 1  # counts every step() call, boundary or not, as DeepSpeed does
-
-    def _take_model_step(self):
-        self._step_applied = self._update.update()
-        self.global_steps += 1
-        if self.managed_gradient_accumulation():
-            self.global_samples += self.train_batch_size()
-        else:
-            # The caller chose how many micro-batches went into this update.
-            self.global_samples += (
-                self._config.samples_per_micro_batch * self._unmanaged_backward_count
-            )
-            self._unmanaged_backward_count = 0
 
     # -- the boundary ----------------------------------------------------------------------------
     def is_gradient_accumulation_boundary(self) -> bool:
@@ -175,15 +150,16 @@ class Engine(torch.nn.Module):
             return self._inside_step
         return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
 
-    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
-        """Managed only: override the counter (it stays overridden until set again)."""
-        rules.enforce(self._situation("set_gradient_accumulation_boundary"), "call")
+    def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
+        """Managed only: True or False overrides the counter, and it stays overridden until
+        set again; None hands the boundary back to the counter (as in DeepSpeed)."""
+        refusals.enforce(self._situation("set_gradient_accumulation_boundary"))
         self._boundary_override = is_boundary
 
     @contextlib.contextmanager
     def no_sync(self):
         """Skip the boundary all-reduce in backward() (gradients stay local) inside the block."""
-        rules.enforce(self._situation("no_sync"), "context")
+        refusals.enforce(self._situation("no_sync"))
         self.inside_no_sync_ctxt = True
         try:
             yield
@@ -199,7 +175,7 @@ class Engine(torch.nn.Module):
         exception, as in DeepSpeed), and the next boundary step() updates from that. Refused
         unmanaged, at stage 0 and nested, as by DeepSpeed.
         """
-        rules.enforce(self._situation("coalesce_grad_reduction"), "context")
+        refusals.enforce(self._situation("coalesce_grad_reduction"))
         self.inside_no_sync_ctxt = True
         try:
             yield
@@ -241,23 +217,31 @@ class Engine(torch.nn.Module):
 
 
 def initialize(
-    args=None, model=None, optimizer=None, model_parameters=None, config=None, group=None, **more
+    args=None,
+    model=None,
+    optimizer=None,
+    model_parameters=None,
+    config=None,
+    group=None,
+    strategy=None,
+    **more,
 ):
     """gas_lab's ``deepspeed.initialize``: returns ``(engine, optimizer, None, None)``.
 
-    The process group is ``group`` if given, else the default one if it exists, else one
-    started from RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT as DeepSpeed would, else none (world
-    size 1). DeepSpeed's other arguments (args, training_data, lr_scheduler, ...) are refused
-    rather than silently ignored.
+    The process group is ``group`` if given, else :func:`gas_lab.dp.default_group` (the
+    default group, or one started from torchrun's variables as DeepSpeed would, or none).
+    ``strategy`` is how the boundary reduces and updates (:mod:`gas_lab.update`); None picks
+    the one for the config's ZeRO stage. DeepSpeed's other arguments (args, training_data,
+    ...) are refused rather than silently ignored.
     """
     unsupported = sorted(k for k, v in {"args": args, **more}.items() if v is not None)
     if unsupported:
         raise NotImplementedInGasLab(f"initialize(): gas_lab does not take {unsupported}")
-    group = group if group is not None else _default_group()
+    group = group if group is not None else default_group()
     world_size = dist.get_world_size(group) if group is not None else 1
     cfg = load_config(config if config is not None else {}, world_size=world_size)
     pipeline = any(c.__name__ == "PipelineModule" for c in type(model).__mro__)
-    rules.enforce(Situation(cfg, pipeline=pipeline), "initialize")
+    refusals.enforce(Situation(cfg, pipeline=pipeline))
     if optimizer is None:  # as in DeepSpeed, a client optimizer wins over the config's
         if cfg.optimizer is None:
             raise NotImplementedInGasLab(
@@ -265,22 +249,9 @@ def initialize(
             )
         params = model_parameters if model_parameters is not None else model.parameters()
         optimizer = cfg.optimizer.torch_optimizer(params)
-    engine = Engine(model, optimizer, cfg, group, _strategy_for(cfg.zero_optimization.stage))
+    strategy = strategy or strategy_for(cfg.zero_optimization.stage)
+    engine = Engine(model, optimizer, cfg, group, strategy)
     return engine, engine.optimizer, None, None
-
-
-def _strategy_for(stage: int):
-    # Stages 2/3 never get here: rules.enforce() refused them as out of scope.
-    return {0: AllReduceUpdate, 1: ShardedUpdate}[stage]
-
-
-def _default_group():
-    if dist.is_available() and dist.is_initialized():
-        return dist.group.WORLD
-    if {"RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"} <= os.environ.keys():
-        dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
-        return dist.group.WORLD
-    return None
 
 
 def _output_tensors(out) -> list[torch.Tensor]:

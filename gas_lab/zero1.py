@@ -19,6 +19,8 @@ At the accumulation boundary (``gas_lab.engine`` decides when; this module decid
 3. **step** the wrapped optimizer (SGD, Adam, AdamW: any element-wise one) on the shard.
 4. **all-gather** the shards into the flat buffer. The model's parameters are views into that
    buffer, so the all-gather writes the new weights straight into the model.
+
+Taught in lesson 05 (``tutorials/05_zero1.ipynb``).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from gas_lab.dp import all_reduce_mean
+from gas_lab.dp import all_reduce_mean, clip_by_norm
 
 # Shard sizes are a multiple of this many elements, as in DeepSpeed (4 bytes of fp16), so
 # every shard starts aligned; the flat vector is padded with zeros up to W x that multiple.
@@ -122,7 +124,7 @@ class _FlatGroup:
 
 
 class ShardedUpdate:
-    """ZeRO-1 as a ``gas_lab.engine.UpdateStrategy``: ``reduce_gradients()`` at the boundary,
+    """ZeRO-1 as a ``gas_lab.update.UpdateStrategy``: ``reduce_gradients()`` at the boundary,
     then ``update()`` (clip, step the shard, all-gather).
 
     ``optimizer`` is a fresh torch optimizer over the model's parameters; its param groups are
@@ -190,7 +192,7 @@ class ShardedUpdate:
         # it): that is one 4-byte all-reduce per update whatever gradient_clipping says.
         norm = global_norm(shards, self.group)
         if self.max_norm > 0:
-            clip_by(shards, norm, self.max_norm)
+            clip_by_norm(shards, norm, self.max_norm)
         self.last_norm = norm.item()
         for g in self.groups:
             g.master.grad = g.grad_shard
@@ -218,18 +220,3 @@ def global_norm(shards: list[torch.Tensor], group=None) -> torch.Tensor:
     if group is not None:
         dist.all_reduce(squares, group=group)  # 4 bytes: sum over ranks
     return squares.sqrt()
-
-
-def clip_by(shards: list[torch.Tensor], norm: torch.Tensor, max_norm: float) -> None:
-    """Scale in place by min(1, max_norm / (norm + 1e-6)): stage 0's formula
-    (``gas_lab.dp.clip_by_global_norm``), applied with the global ``norm``."""
-    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    for s in shards:
-        s.mul_(coef.to(s.dtype))
-
-
-def clip_sharded(shards: list[torch.Tensor], max_norm: float, group=None) -> torch.Tensor:
-    """Clip shards of one gradient by the norm of the whole gradient; returns that norm."""
-    norm = global_norm(shards, group)
-    clip_by(shards, norm, max_norm)
-    return norm

@@ -32,7 +32,7 @@ def per_token_losses(token_losses, masks):
 
 
 if __name__ == "__main__":
-    from gas_lab.exercises.lesson01 import (
+    from gas_lab.lessons.exercises.lesson01 import (
         check_accumulation_loop,
         check_per_token_losses,
         check_ragged_weights,

@@ -43,7 +43,7 @@ def gas_for(global_batch, micro, world_size):
 
 if __name__ == "__main__":
     import gas_lab
-    from gas_lab.exercises.lesson02 import (
+    from gas_lab.lessons.exercises.lesson02 import (
         check_average_gradients,
         check_ddp_accumulation_step,
         check_gas_for,

@@ -31,7 +31,7 @@ def variable_window(engine, micro_batches, loss_fn):
 
 
 if __name__ == "__main__":
-    from gas_lab.exercises.lesson03 import (
+    from gas_lab.lessons.exercises.lesson03 import (
         check_boundary_steps,
         check_managed_loop,
         check_variable_window,

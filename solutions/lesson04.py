@@ -30,7 +30,7 @@ def loss_divisor(n):
 
 if __name__ == "__main__":
     import gas_lab
-    from gas_lab.exercises.lesson04 import check_loss_divisor, check_rpc_step
+    from gas_lab.lessons.exercises.lesson04 import check_loss_divisor, check_rpc_step
 
     print(check_rpc_step(rpc_step))
     cluster = gas_lab.start_cluster(world_size=2)

@@ -35,7 +35,7 @@ def gradient_shard(flat_grad, group):
 
 if __name__ == "__main__":
     import gas_lab
-    from gas_lab.exercises.lesson05 import (
+    from gas_lab.lessons.exercises.lesson05 import (
         check_global_norm,
         check_gradient_shard,
         check_shard_ranges,

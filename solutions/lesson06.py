@@ -32,7 +32,7 @@ def refused_at_initialize(config: dict) -> bool:
 
 
 if __name__ == "__main__":
-    from gas_lab.exercises.lesson06 import check_predictions, check_refusal_rules
+    from gas_lab.lessons.exercises.lesson06 import check_predictions, check_refusal_rules
 
     print(check_predictions(my_predictions))
     print(check_refusal_rules(refused_at_initialize))

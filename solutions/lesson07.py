@@ -27,6 +27,6 @@ def global_token_count(masks):
 
 
 if __name__ == "__main__":
-    from gas_lab.exercises.lesson07 import check_micro_batch_loss
+    from gas_lab.lessons.exercises.lesson07 import check_micro_batch_loss
 
     print(check_micro_batch_loss(micro_batch_loss))  # exercise 2 needs the notebook's ranks

@@ -1,7 +1,7 @@
 """What every tests/test_lessonNN_exercises.py needs: the lesson's solutions, the untouched TODO
 stub, and the checks that a verdict says "todo" or "failed" the way a learner should read it.
 
-Functions here may be shipped to the ranks (``todo`` is): gas_lab.cluster sends a test-side
+Functions here may be shipped to the ranks (``todo`` is): gas_lab.runtime.cluster sends a test-side
 module's code by value, since the ranks cannot import tests/.
 """
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from gas_lab.exercises.verdict import ExerciseFailed
+from gas_lab.lessons.exercises.verdict import ExerciseFailed
 
 ROOT = Path(__file__).resolve().parents[1]
 

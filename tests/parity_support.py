@@ -29,7 +29,7 @@ def config(optimizer, gas, managed=True, stage=None, **extra):
 
 def run_case(cfg, kw):
     """On a rank: one parity run -> (max diff, counters, collectives, first gas_lab loss)."""
-    from gas_lab.parity import run_parity
+    from gas_lab.measure.parity import run_parity
 
     kw = dict(kw)
     if kw.pop("per_rank_n", False):  # ranks run different numbers of micro-batches

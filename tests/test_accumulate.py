@@ -12,23 +12,25 @@ from gas_lab.accumulate import (
     FORGOT_DIVIDE,
     NORMALIZATIONS,
     Batch,
-    TinySeqModel,
     Window,
     accumulate_gradients,
     compare_grads,
     even_sizes,
     full_batch_gradient,
     grads_of,
-    make_mlp,
     mse_loss,
     normalized_loss,
     ragged_sizes,
-    regression_batch,
-    sequence_batch,
     split_batch,
-    spread_lengths,
     token_loss,
-    train,
+    train_one_device,
+)
+from gas_lab.lessons.toys import (
+    TinySeqModel,
+    regression_batch,
+    regression_mlp,
+    sequence_batch,
+    spread_lengths,
 )
 
 TOL = 1e-5
@@ -125,19 +127,23 @@ def test_normalized_loss_values_by_hand():
 @pytest.mark.parametrize("normalization", NORMALIZATIONS)
 def test_equal_micro_batches_match_full_batch(n_micro, normalization):
     batch = regression_batch(16, seed=n_micro)
-    ref = full_batch_gradient(make_mlp(0), batch, mse_loss)
-    model = make_mlp(0)
+    ref = full_batch_gradient(regression_mlp(0), batch, mse_loss)
+    model = regression_mlp(0)
     # direct hand reference, too: MSE mean over the whole batch
     hand = _hand_grads(model, (model(batch.x) - batch.y).pow(2).mean())
-    got = accumulate_gradients(make_mlp(0), split_batch(batch, n_micro), mse_loss, normalization)
+    got = accumulate_gradients(
+        regression_mlp(0), split_batch(batch, n_micro), mse_loss, normalization
+    )
     assert compare_grads(ref, hand).max_rel < TOL
     assert compare_grads(got, ref).max_rel < TOL
 
 
 def test_forgotten_divide_is_n_times_too_large():
     batch = regression_batch(16)
-    right = accumulate_gradients(make_mlp(0), split_batch(batch, 4), mse_loss, "mean_of_means")
-    wrong = accumulate_gradients(make_mlp(0), split_batch(batch, 4), mse_loss, FORGOT_DIVIDE)
+    right = accumulate_gradients(
+        regression_mlp(0), split_batch(batch, 4), mse_loss, "mean_of_means"
+    )
+    wrong = accumulate_gradients(regression_mlp(0), split_batch(batch, 4), mse_loss, FORGOT_DIVIDE)
     assert compare_grads(wrong, {k: 4 * v for k, v in right.items()}).max_rel < TOL
     assert compare_grads(wrong, right).max_rel > 1.0
 
@@ -145,13 +151,15 @@ def test_forgotten_divide_is_n_times_too_large():
 def test_ragged_split_needs_per_sample():
     batch = regression_batch(10, seed=2)
     micro = split_batch(batch, ragged_sizes(10, 4))
-    ref = full_batch_gradient(make_mlp(0), batch, mse_loss)
+    ref = full_batch_gradient(regression_mlp(0), batch, mse_loss)
     for norm in ("per_sample", "per_token"):
         assert (
-            compare_grads(accumulate_gradients(make_mlp(0), micro, mse_loss, norm), ref).max_rel
+            compare_grads(
+                accumulate_gradients(regression_mlp(0), micro, mse_loss, norm), ref
+            ).max_rel
             < TOL
         )
-    wrong = accumulate_gradients(make_mlp(0), micro, mse_loss, "mean_of_means")
+    wrong = accumulate_gradients(regression_mlp(0), micro, mse_loss, "mean_of_means")
     assert compare_grads(wrong, ref).max_rel > 1e-2
 
 
@@ -185,11 +193,11 @@ def test_padding_content_is_ignored():
 
 def test_stale_gradients_are_cleared_once_per_window():
     batch = regression_batch(8)
-    model = make_mlp(0)
+    model = regression_mlp(0)
     for p in model.parameters():
         p.grad = torch.full_like(p, 5.0)
     got = accumulate_gradients(model, split_batch(batch, 2), mse_loss)
-    assert compare_grads(got, full_batch_gradient(make_mlp(0), batch, mse_loss)).max_rel < TOL
+    assert compare_grads(got, full_batch_gradient(regression_mlp(0), batch, mse_loss)).max_rel < TOL
 
 
 def test_batchnorm_train_differs_eval_and_layernorm_match():
@@ -197,7 +205,7 @@ def test_batchnorm_train_differs_eval_and_layernorm_match():
     micro = split_batch(batch, 4)
 
     def pair(norm, mode):
-        a, b = make_mlp(0, norm=norm), make_mlp(0, norm=norm)
+        a, b = regression_mlp(0, norm=norm), regression_mlp(0, norm=norm)
         a.train(mode == "train")
         b.train(mode == "train")
         return compare_grads(
@@ -223,11 +231,11 @@ def test_compare_grads_reports_abs_and_rel():
 
 def test_sgd_without_divide_equals_n_times_the_learning_rate():
     batches = [regression_batch(16, seed=s) for s in range(5)]
-    bug, fast = make_mlp(0), make_mlp(0)
-    bug_losses = train(
+    bug, fast = regression_mlp(0), regression_mlp(0)
+    bug_losses = train_one_device(
         bug, torch.optim.SGD(bug.parameters(), lr=0.01), batches, 4, normalization=FORGOT_DIVIDE
     )
-    fast_losses = train(fast, torch.optim.SGD(fast.parameters(), lr=0.04), batches, 4)
+    fast_losses = train_one_device(fast, torch.optim.SGD(fast.parameters(), lr=0.04), batches, 4)
     assert bug_losses == pytest.approx(fast_losses, rel=1e-5)
     for p, q in zip(bug.parameters(), fast.parameters(), strict=True):
         assert torch.allclose(p, q, atol=1e-6)
@@ -237,8 +245,8 @@ def test_train_records_gradient_norms_and_clips_them():
     batches = [regression_batch(16, seed=s) for s in range(3)]
     norms_bug, norms_right = [], []
     for norm, out in ((FORGOT_DIVIDE, norms_bug), ("mean_of_means", norms_right)):
-        model = make_mlp(0)
-        train(
+        model = regression_mlp(0)
+        train_one_device(
             model,
             torch.optim.SGD(model.parameters(), lr=0.0),
             batches,
@@ -248,9 +256,11 @@ def test_train_records_gradient_norms_and_clips_them():
         )
     assert len(norms_bug) == 3
     assert norms_bug == pytest.approx([4 * n for n in norms_right], rel=1e-5)
-    model = make_mlp(0)
+    model = regression_mlp(0)
     before = torch.cat([p.detach().flatten() for p in model.parameters()])
-    train(model, torch.optim.SGD(model.parameters(), lr=1.0), batches[:1], 4, max_grad_norm=1e-3)
+    train_one_device(
+        model, torch.optim.SGD(model.parameters(), lr=1.0), batches[:1], 4, max_grad_norm=1e-3
+    )
     after = torch.cat([p.detach().flatten() for p in model.parameters()])
     assert norms_right[0] > 1e-2  # so the clip below really bites
     assert torch.linalg.vector_norm(after - before).item() == pytest.approx(1e-3, rel=1e-3)
@@ -258,21 +268,21 @@ def test_train_records_gradient_norms_and_clips_them():
 
 def test_train_reduces_the_loss():
     batches = [regression_batch(16, seed=s) for s in range(30)]
-    model = make_mlp(0)
-    losses = train(model, torch.optim.SGD(model.parameters(), lr=0.05), batches, 4)
+    model = regression_mlp(0)
+    losses = train_one_device(model, torch.optim.SGD(model.parameters(), lr=0.05), batches, 4)
     assert len(losses) == 30 and losses[-1] < 0.5 * losses[0]
 
 
 # ---------------------------------------------------------------- explorer compute, widget, plots
 def test_explorer_compute_no_spread_means_every_normalization_agrees():
-    from gas_lab.widgets import error_vs_reference
+    from gas_lab.lessons.widgets import error_vs_reference
 
     for norm in NORMALIZATIONS:
         assert error_vs_reference(norm, 4, spread=0.0).max_rel < TOL
 
 
 def test_explorer_compute_spread_breaks_mean_of_means_only():
-    from gas_lab.widgets import error_vs_reference, explorer_errors
+    from gas_lab.lessons.widgets import error_vs_reference, explorer_errors
 
     assert error_vs_reference("mean_of_means", 1, spread=1.0).max_rel < TOL  # N=1 is the batch
     errors = explorer_errors(1.0, [2, 3, 5])  # 3 and 5 do not divide 24: ragged splits
@@ -289,7 +299,7 @@ def test_explorer_widget_builds_and_follows_its_controls():
     import matplotlib
 
     matplotlib.use("Agg")
-    from gas_lab.widgets import accumulation_explorer
+    from gas_lab.lessons.widgets import accumulation_explorer
 
     box = accumulation_explorer(n_max=4)
     n, spread, norm, label, _out = box.children
@@ -308,7 +318,7 @@ def test_plots_draw_one_line_per_series():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from gas_lab.plots import plot_error_vs_n, plot_loss_curves
+    from gas_lab.lessons.plots import plot_error_vs_n, plot_loss_curves
 
     fig = plot_error_vs_n([1, 2, 4], {"mean_of_means": [0.0, 0.1, 0.2], "per_token": [0, 0, 0]})
     ax = fig.axes[0]

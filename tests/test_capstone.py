@@ -1,6 +1,6 @@
 """Lesson 07's workload: ragged rollouts, the global per-token scaling, and the script.
 
-The reference everywhere is :func:`gas_lab.rollouts.reference_run`: one process, every rank's
+The reference everywhere is :func:`gas_lab.lessons.rollouts.reference_run`: one process, every rank's
 rollouts of a step as one batch, the per-token mean loss, one optimizer step.
 """
 
@@ -10,7 +10,6 @@ import pytest
 import torch
 from test_scripts import torchrun  # tests/ is on sys.path: pytest puts it there
 
-from gas_lab import rollouts
 from gas_lab.accumulate import (
     Batch,
     Window,
@@ -19,6 +18,7 @@ from gas_lab.accumulate import (
     grads_of,
     token_loss,
 )
+from gas_lab.lessons import rollouts
 
 STEPS = 6
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import gas_lab
-from gas_lab.cluster import RankError, RankStallError
+from gas_lab.runtime.cluster import RankError, RankStallError
 
 pytestmark = pytest.mark.ranks
 
@@ -158,7 +158,7 @@ def test_bad_device_is_a_clear_error():
 
 _GPU_CHILD = """
 import gas_lab, json, torch
-from gas_lab import hello
+from gas_lab.lessons import hello
 c = gas_lab.start_cluster()
 out = c.run(hello.all_reduce_hello)
 import torch.distributed as dist

@@ -1,9 +1,9 @@
-"""gas_lab.comm: each logical collective counted once, with its kind, bytes and group size."""
+"""gas_lab.measure.comm: each logical collective counted once, with its kind, bytes and group size."""
 
 import pytest
 import torch.distributed as dist
 
-from gas_lab.comm import CollectiveLog, count_collectives
+from gas_lab.measure.comm import CollectiveLog, count_collectives
 
 
 def test_functions_are_restored_and_nothing_is_counted_without_collectives():
@@ -15,7 +15,7 @@ def test_functions_are_restored_and_nothing_is_counted_without_collectives():
 
 
 def test_summary_per_step():
-    from gas_lab.comm import Collective
+    from gas_lab.measure.comm import Collective
 
     log = CollectiveLog()
     log.calls += [Collective("all_reduce", "torch.distributed.all_reduce", 40, 2)] * 4
@@ -27,7 +27,7 @@ def _count():
     import deepspeed
     import torch
 
-    from gas_lab.comm import count_collectives
+    from gas_lab.measure.comm import count_collectives
 
     deepspeed.init_distributed(dist_backend="gloo")  # wraps the existing group
     t = torch.ones(10)

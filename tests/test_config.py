@@ -5,9 +5,9 @@ import os
 import pytest
 import torch
 
-from gas_lab import rules
-from gas_lab.config import ConfigError, load_config, resolve_batch
-from gas_lab.rules import NotImplementedInGasLab, RejectedCombination
+from gas_lab.config import load_config, resolve_batch
+from gas_lab.errors import ConfigError, NotImplementedInGasLab, RejectedCombination
+from gas_lab.rules import refusals
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
@@ -153,11 +153,11 @@ def test_other_optimizers_are_out_of_scope():
 
 # -- rules at initialize -------------------------------------------------------------------------
 def test_config_enforces_the_rules_data():
-    for rule in rules.RULES:
+    for rule in refusals.RULES:
         if rule.moment != "initialize" or rule.example.pipeline:
             continue
         with pytest.raises(RejectedCombination) as err:
-            load_config(rules.example_config(rule, cfg()))
+            load_config(refusals.example_config(rule, cfg()))
         assert err.value.rule is rule
         assert rule.reason in str(err.value) and rule.deepspeed_message in str(err.value)
 
@@ -185,10 +185,12 @@ def test_out_of_scope_points_to_deepspeed(extra):
 
 
 def test_rules_table_is_complete():
-    rows = rules.table()
-    assert len(rows) == len(rules.RULES) + len(rules.DEEPSPEED_ONLY)
-    assert len(rules.RULES) >= 7
-    assert [r["rule"] for r in rows if r["gas_lab"] == rules.SAME] == [r.name for r in rules.RULES]
+    rows = refusals.table()
+    assert len(rows) == len(refusals.RULES) + len(refusals.DEEPSPEED_ONLY)
+    assert len(refusals.RULES) >= 7
+    assert [r["rule"] for r in rows if r["gas_lab"] == refusals.SAME] == [
+        r.name for r in refusals.RULES
+    ]
     for row in rows:
         assert row["why"].strip() and row["silent failure it prevents"].strip()
         assert row["when"] in ("initialize", "call", "context")

@@ -98,10 +98,10 @@ def test_math_renders_without_internet(browser):
 
 def test_rules_page_has_the_generated_table(browser):
     _open(browser, "rules.html").save_screenshot(str(SHOTS / "rules.png"))
-    from gas_lab import rules, traps
+    from gas_lab.rules import refusals, traps
 
-    refusals, accepted_traps = browser.find_elements("css selector", "article table")
-    assert len(refusals.find_elements("css selector", "tbody tr")) == len(rules.table())
+    refused, accepted_traps = browser.find_elements("css selector", "article table")
+    assert len(refused.find_elements("css selector", "tbody tr")) == len(refusals.table())
     assert len(accepted_traps.find_elements("css selector", "tbody tr")) == len(traps.TRAPS)
 
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from gas_lab.engine import initialize
-from gas_lab.parity import micro_batch, tiny_model
-from gas_lab.rules import NotImplementedInGasLab, RejectedCombination
+from gas_lab.errors import NotImplementedInGasLab, RejectedCombination
+from gas_lab.lessons.toys import micro_batch, tiny_model
 
 
 @pytest.fixture(autouse=True)

@@ -3,7 +3,7 @@
 import pytest
 from exercise_support import assert_failed, assert_todo, load_solutions, todo
 
-from gas_lab.exercises.lesson00 import check_losses_from_all_ranks, check_mean_across_ranks
+from gas_lab.lessons.exercises.lesson00 import check_losses_from_all_ranks, check_mean_across_ranks
 
 SOL = load_solutions(0)
 pytestmark = pytest.mark.ranks

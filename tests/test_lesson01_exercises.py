@@ -3,7 +3,7 @@
 import pytest
 from exercise_support import assert_failed, assert_todo, load_solutions, todo
 
-from gas_lab.exercises.lesson01 import (
+from gas_lab.lessons.exercises.lesson01 import (
     check_accumulation_loop,
     check_per_token_losses,
     check_ragged_weights,

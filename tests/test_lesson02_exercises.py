@@ -5,7 +5,7 @@ import contextlib
 import pytest
 from exercise_support import assert_failed, assert_todo, load_solutions, todo
 
-from gas_lab.exercises.lesson02 import (
+from gas_lab.lessons.exercises.lesson02 import (
     check_average_gradients,
     check_ddp_accumulation_step,
     check_gas_for,

@@ -3,7 +3,7 @@
 import pytest
 from exercise_support import assert_failed, assert_todo, load_solutions, todo, without_launcher_env
 
-from gas_lab.exercises.lesson03 import (
+from gas_lab.lessons.exercises.lesson03 import (
     check_boundary_steps,
     check_managed_loop,
     check_variable_window,

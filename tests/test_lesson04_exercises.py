@@ -3,7 +3,7 @@
 import pytest
 from exercise_support import assert_failed, assert_todo, load_solutions, todo, without_launcher_env
 
-from gas_lab.exercises.lesson04 import check_loss_divisor, check_rpc_step
+from gas_lab.lessons.exercises.lesson04 import check_loss_divisor, check_rpc_step
 
 
 @pytest.fixture(autouse=True)

@@ -3,7 +3,7 @@
 import pytest
 from exercise_support import assert_failed, assert_todo, load_solutions, todo
 
-from gas_lab.exercises.lesson05 import (
+from gas_lab.lessons.exercises.lesson05 import (
     check_global_norm,
     check_gradient_shard,
     check_shard_ranges,

@@ -3,14 +3,14 @@
 import pytest
 from exercise_support import assert_failed, assert_todo, load_solutions, todo
 
-from gas_lab import prediction
-from gas_lab.exercises.lesson06 import (
+from gas_lab.lessons.exercises.lesson06 import (
     SCENARIOS,
     check_predictions,
     check_refusal_rules,
     expected,
     initialize_cases,
 )
+from gas_lab.rules import prediction
 
 SOL = load_solutions(6)
 CHECKS = [

@@ -3,7 +3,7 @@
 import pytest
 from exercise_support import assert_failed, assert_todo, load_solutions, todo
 
-from gas_lab.exercises.lesson07 import check_global_token_count, check_micro_batch_loss
+from gas_lab.lessons.exercises.lesson07 import check_global_token_count, check_micro_batch_loss
 
 SOL = load_solutions(7)
 

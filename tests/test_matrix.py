@@ -1,19 +1,18 @@
 """The committed matrix still describes the installed DeepSpeed: re-measure a fast subset.
 
 An upgrade that accepts what it used to reject (or rewords the message, or moves the moment)
-fails here, naming the cases; re-run ``tools/measure_matrix.py`` and review the diff.
+fails here, naming the cases; re-run ``python -m gas_lab.rules.matrix`` and review the diff.
 """
 
 from pathlib import Path
 
 import pytest
 
-from gas_lab import prediction
+from gas_lab.rules import matrix, prediction
 
 pytestmark = pytest.mark.ranks
 ROOT = Path(__file__).resolve().parents[1]
 COMPARED = ("outcome", "exception", "message", "raised_in", "moment", "observed")
-TOOL = ROOT / "tools" / "measure_matrix.py"
 MATRIX = prediction.measured_matrix()
 
 
@@ -27,16 +26,6 @@ def _fast(case) -> bool:
         and axes["precision"] == "fp32"
         or (axes["stage"] == 0 and axes["managed"] and not axes["overlap_comm"])
     )
-
-
-def _measure(tool: str, cases):
-    """On a rank: the tool's own measurement, loaded by path (tools/ is not a package)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("measure_matrix", tool)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.measure(cases)
 
 
 def differences(recorded: list[dict], measured: list[dict]) -> list[str]:
@@ -71,7 +60,7 @@ def test_installed_deepspeed_still_matches_the_matrix(cluster):
     subset = [c for c in MATRIX["cases"] if _fast(c)]
     assert 40 <= len(subset) < len(MATRIX["cases"])
     assert {c["outcome"] for c in subset} == {"accepted", "rejected"}
-    per_rank = cluster.run(_measure, str(TOOL), subset, timeout=300)
+    per_rank = cluster.run(matrix.measure, subset, timeout=300)
     for measured in per_rank:
         problems = differences(subset, measured)
         assert not problems, "DeepSpeed changed; re-measure and review:\n" + "\n".join(problems)

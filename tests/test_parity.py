@@ -1,5 +1,5 @@
 """gas_lab == DeepSpeed 0.19.8 on 2 ranks (ZeRO stage 0, fp32): parameters, counters,
-collectives, and the refusals of rules.py."""
+collectives, and the refusals of gas_lab/rules/refusals.py."""
 
 import pytest
 from parity_support import ADAM, ADAM_L2, ADAMW, SGD, TOL, assert_same, config, run_case
@@ -34,7 +34,8 @@ def test_gas_lab_matches_deepspeed(cluster, name):
 
 
 def _collectives(cfg, kw, steps):
-    from gas_lab.parity import run_parity, tiny_model
+    from gas_lab.lessons.toys import tiny_model
+    from gas_lab.measure.parity import run_parity
 
     r = run_parity(cfg, steps=steps, **kw)
     grad_bytes = sum(p.numel() * p.element_size() for p in tiny_model(0).parameters())
@@ -68,7 +69,8 @@ def _batch_sizes(batches):
     import torch.distributed as dist
     from deepspeed.runtime.config import DeepSpeedConfig
 
-    from gas_lab.config import ConfigError, load_config
+    from gas_lab.config import load_config
+    from gas_lab.errors import ConfigError
 
     out = []
     for batch in batches:
@@ -115,21 +117,21 @@ def test_batch_arithmetic_on_two_ranks(cluster):
 
 
 def _rules():
-    from gas_lab import rules
-    from gas_lab.parity import check_rule
+    from gas_lab.measure.parity import check_rule
+    from gas_lab.rules import refusals
 
     out = []
-    for rule in rules.RULES:
+    for rule in refusals.RULES:
         raised = check_rule(rule)
         out.append({k: (type(v).__name__, str(v)) if v else None for k, v in raised.items()})
     return out
 
 
 def test_refusals_match_deepspeed(cluster):
-    from gas_lab import rules
+    from gas_lab.rules import refusals
 
     for per_rule in cluster.run(_rules, timeout=120):
-        for rule, raised in zip(rules.RULES, per_rule, strict=True):
+        for rule, raised in zip(refusals.RULES, per_rule, strict=True):
             assert raised["gas_lab"] and raised["gas_lab"][0] == "RejectedCombination", rule.name
             assert raised["deepspeed"], f"DeepSpeed no longer refuses {rule.name}"
             ds_type, ds_message = raised["deepspeed"]
@@ -142,7 +144,8 @@ def _manual_loops():
     import torch
 
     from gas_lab.engine import initialize
-    from gas_lab.parity import BASE_CONFIG, deepspeed_initialize, micro_batch, tiny_model
+    from gas_lab.lessons.toys import micro_batch, tiny_model
+    from gas_lab.measure.parity import BASE_CONFIG, deepspeed_initialize
 
     mse = torch.nn.functional.mse_loss
     rank = torch.distributed.get_rank()

@@ -6,35 +6,25 @@ accepts and rejects exactly what DeepSpeed did in gas_lab's scope (ZeRO 0/1, fp3
 offload/pipeline/compile), and outside it says "not in gas_lab" before DeepSpeed would fail.
 """
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 import torch
 
-from gas_lab import prediction, rules
-from gas_lab.config import ConfigError
 from gas_lab.engine import initialize
-from gas_lab.rules import RejectedCombination
+from gas_lab.errors import ConfigError, RejectedCombination
+from gas_lab.lessons.toys import tiny_model
+from gas_lab.rules import matrix, prediction, refusals
 
 ROOT = Path(__file__).resolve().parents[1]
-TOOL = ROOT / "tools" / "measure_matrix.py"
 
 
-def _tool():
-    spec = importlib.util.spec_from_file_location("measure_matrix", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-MM = _tool()
 CASES = prediction.measured_matrix()["cases"]
 LENIENT = {"managed_string_no", "managed_typo"}  # DeepSpeed accepts; gas_lab refuses on purpose
 
 
 def in_scope(case) -> bool:
-    """The brief's scope, written independently of rules.OUT_OF_SCOPE (so it can catch it)."""
+    """The brief's scope, written independently of refusals.OUT_OF_SCOPE (so it can catch it)."""
     c, axes = case["config"], case["axes"]
     zero = c.get("zero_optimization", {})
     return (
@@ -47,7 +37,7 @@ def in_scope(case) -> bool:
     )
 
 
-# Rules no script of tools/measure_matrix.py reaches; tests/test_parity.py checks each one
+# Rules no script of gas_lab.rules.matrix reaches; tests/test_parity.py checks each one
 # against live DeepSpeed instead (test_refusals_match_deepspeed runs every rule's example).
 NOT_IN_MATRIX = {"coalesce_nested"}
 
@@ -81,7 +71,7 @@ def test_every_rule_is_seen_in_the_matrix():
         prediction.predict(c["config"], c["ops"], c["pipeline"])[0] for c in CASES if _parses(c)
     ]
     seen = {r.name for r in predicted if r is not None}
-    assert {r.name for r in rules.RULES + rules.DEEPSPEED_ONLY} - NOT_IN_MATRIX == seen
+    assert {r.name for r in refusals.RULES + refusals.DEEPSPEED_ONLY} - NOT_IN_MATRIX == seen
 
 
 def _parses(case) -> bool:
@@ -105,16 +95,16 @@ def test_predict_walks_the_ops():
 
 
 def test_table_has_every_rule_once_as_markdown():
-    md = rules.table_markdown().splitlines()
-    assert len(md) == 2 + len(rules.table())
-    for rule in rules.RULES + rules.DEEPSPEED_ONLY:
+    md = refusals.table_markdown().splitlines()
+    assert len(md) == 2 + len(refusals.table())
+    for rule in refusals.RULES + refusals.DEEPSPEED_ONLY:
         assert sum(f"| {rule.name} |" in line for line in md) == 1
 
 
 def test_skipping_is_scoped_to_its_block():
-    rule = next(r for r in rules.RULES if r.name == "unmanaged_overlap_comm")
-    config = rules.example_config(rule, _base())
-    with rules.skipping({rule.name}):
+    rule = next(r for r in refusals.RULES if r.name == "unmanaged_overlap_comm")
+    config = refusals.example_config(rule, _base())
+    with refusals.skipping({rule.name}):
         assert prediction.predict(config) == (None, None)
     assert prediction.predict(config)[0] is rule
 
@@ -149,16 +139,16 @@ class PipelineModule(torch.nn.Sequential):
 
 
 def _model(pipeline: bool):
-    return PipelineModule(*MM._model(False)) if pipeline else MM._model(False)
+    return PipelineModule(*tiny_model(0)) if pipeline else tiny_model(0)
 
 
-MEASURED_RULES = [r for r in rules.RULES if r.name not in NOT_IN_MATRIX]
+MEASURED_RULES = [r for r in refusals.RULES if r.name not in NOT_IN_MATRIX]
 
 
 @pytest.mark.parametrize("rule", MEASURED_RULES, ids=lambda r: r.name)
 def test_rule_fires_on_the_engine_with_its_message_at_its_moment(rule, single_process):
     case = _first_case(rule)
-    got = MM.run_case(initialize, case, model_fn=_model)
+    got = matrix.run_case(initialize, case, model_fn=_model)
     # The same op as DeepSpeed's: "initialize", or a call, or entering the with-block.
     assert (got["raised_in"], got["moment"]) == (case["raised_in"], case["moment"])
     assert got["moment"] == rule.moment
@@ -171,7 +161,7 @@ def test_rule_fires_on_the_engine_with_its_message_at_its_moment(rule, single_pr
 
 @pytest.mark.parametrize("outer", ["no_sync", "coalesce_grad_reduction"])
 def test_coalesce_nested_fires_on_entering_the_inner_block(outer, single_process):
-    model = MM._model(False)
+    model = tiny_model(0)
     config = {**_base(), "zero_optimization": {"stage": 1}}
     engine, *_ = initialize(model=model, model_parameters=model.parameters(), config=config)
     with getattr(engine, outer)():
@@ -184,7 +174,7 @@ def test_coalesce_nested_fires_on_entering_the_inner_block(outer, single_process
 
 
 def test_context_rules_fire_on_entering_not_on_creating(single_process):
-    model = MM._model(False)
+    model = tiny_model(0)
     config = {**_base(), "managed_gradient_accumulation": False}
     engine, *_ = initialize(model=model, model_parameters=model.parameters(), config=config)
     block = engine.coalesce_grad_reduction()  # creating the context manager checks nothing
@@ -193,13 +183,8 @@ def test_context_rules_fire_on_entering_not_on_creating(single_process):
 
 
 # ---------------------------------------------------------------- 3. gas_lab vs the matrix
-def _gas_lab(tool: str, cases):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("measure_matrix", tool)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.measure(cases, engine="gas_lab")
+def _gas_lab(cases):
+    return matrix.measure(cases, engine="gas_lab")
 
 
 def _compare(case, got) -> str | None:
@@ -221,7 +206,7 @@ def _compare(case, got) -> str | None:
 
 @pytest.fixture(scope="module")
 def gas_lab_results(cluster):
-    per_rank = cluster.run(_gas_lab, str(TOOL), CASES, timeout=300)
+    per_rank = cluster.run(_gas_lab, CASES, timeout=300)
     assert per_rank[0] == per_rank[1]
     return dict(zip((c["id"] for c in CASES), per_rank[0], strict=True))
 
@@ -269,7 +254,7 @@ def test_deepspeed_leniency_is_refused_by_gas_lab(gas_lab_results):
 
 # ---------------------------------------------------------------- 4. the unsafe teaching mode
 def _unsafe_vs_deepspeed(config, skip, set_boundary=None):
-    """On a rank: 2 unmanaged steps of 3 micro-batches on gas_lab.unsafe and on DeepSpeed with
+    """On a rank: 2 unmanaged steps of 3 micro-batches on gas_lab.rules.unsafe and on DeepSpeed with
     the same check bypassed; parameters and all-reduce counts of each."""
     import contextlib
     import functools
@@ -277,10 +262,9 @@ def _unsafe_vs_deepspeed(config, skip, set_boundary=None):
     import torch
     import torch.distributed as dist
 
-    from gas_lab import unsafe
-    from gas_lab.comm import count_collectives
-    from gas_lab.parity import micro_batch, tiny_model
-    from gas_lab.pitfalls import flat
+    from gas_lab.lessons.toys import flat_params, micro_batch, tiny_model
+    from gas_lab.measure.comm import count_collectives
+    from gas_lab.rules import unsafe
 
     out = {}
     for lib in ("gas_lab", "deepspeed"):
@@ -300,7 +284,7 @@ def _unsafe_vs_deepspeed(config, skip, set_boundary=None):
                     x, y = micro_batch(0, step, m, dist.get_rank(), 2)
                     engine.backward(torch.nn.functional.mse_loss(engine(x), y))
                 engine.step()
-        out[lib] = (flat(engine.module), log.count("all_reduce"), engine.global_steps)
+        out[lib] = (flat_params(engine.module), log.count("all_reduce"), engine.global_steps)
     return out
 
 
@@ -315,7 +299,7 @@ UNSAFE_BASE = {
 
 
 def _reference(steps=2):
-    from gas_lab.pitfalls import reference_params
+    from gas_lab.measure.parity import reference_params
 
     return reference_params(UNSAFE_BASE, steps, [3] * steps)
 
@@ -349,35 +333,33 @@ def test_unsafe_set_boundary_matches_deepspeed(cluster, flag):
 
 
 def _flat_initial():
-    from gas_lab.parity import tiny_model
-    from gas_lab.pitfalls import flat
+    from gas_lab.lessons.toys import flat_params, tiny_model
 
-    return flat(tiny_model(0))
+    return flat_params(tiny_model(0))
 
 
 def test_unsafe_refuses_unknown_rules_and_says_so(single_process, capsys):
-    from gas_lab import unsafe
+    from gas_lab.rules import unsafe
 
     with pytest.raises(ValueError, match="unknown rules"):
-        unsafe.initialize(MM._model(False), UNSAFE_BASE, ["no_such_rule"])
-    engine = unsafe.initialize(MM._model(False), UNSAFE_BASE, ["unmanaged_set_boundary"])[0]
+        unsafe.initialize(tiny_model(0), UNSAFE_BASE, ["no_such_rule"])
+    engine = unsafe.initialize(tiny_model(0), UNSAFE_BASE, ["unmanaged_set_boundary"])[0]
     assert "UNSAFE" in capsys.readouterr().out
     engine.set_gradient_accumulation_boundary(False)  # skipped on this engine ...
-    safe = initialize(model=MM._model(False), config=UNSAFE_BASE)[0]
+    safe = initialize(model=tiny_model(0), config=UNSAFE_BASE)[0]
     with pytest.raises(RejectedCombination):  # ... and on no other
         safe.set_gradient_accumulation_boundary(False)
 
 
 def _direct_backward_at_stage_0():
     """On a rank: managed, GAS 3, loss.backward() instead of engine.backward(loss), on
-    gas_lab.unsafe with the stage-0 rule skipped and on DeepSpeed with its check bypassed."""
+    gas_lab.rules.unsafe with the stage-0 rule skipped and on DeepSpeed with its check bypassed."""
     import torch
     import torch.distributed as dist
 
-    from gas_lab import unsafe
-    from gas_lab.comm import count_collectives
-    from gas_lab.parity import micro_batch, tiny_model
-    from gas_lab.pitfalls import flat
+    from gas_lab.lessons.toys import flat_params, micro_batch, tiny_model
+    from gas_lab.measure.comm import count_collectives
+    from gas_lab.rules import unsafe
 
     config = {**UNSAFE_BASE, "managed_gradient_accumulation": True}
     out = {}
@@ -396,7 +378,7 @@ def _direct_backward_at_stage_0():
                     x, y = micro_batch(0, step, m, dist.get_rank(), 2)
                     torch.nn.functional.mse_loss(engine(x), y).backward()
                     engine.step()
-        out[lib] = (flat(engine.module), log.count("all_reduce"), engine.global_steps)
+        out[lib] = (flat_params(engine.module), log.count("all_reduce"), engine.global_steps)
     return out
 
 

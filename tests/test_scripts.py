@@ -31,7 +31,7 @@ def torchrun(script: str, *args: str, nproc: int = 2, timeout: int = 180) -> dic
 
 @pytest.mark.ranks
 def test_hello_ranks_under_torchrun_matches_the_notebook_runtime(cluster):
-    from gas_lab import hello
+    from gas_lab.lessons import hello
 
     out = torchrun("hello_ranks.py", "--steps", "3")
     assert out["backend"] == "gloo" and out["world_size"] == 2

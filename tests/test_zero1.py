@@ -1,4 +1,4 @@
-"""ZeRO-1 (gas_lab/zero1.py, gas_lab/memory.py): the layout, one process against stage 0, and
+"""ZeRO-1 (gas_lab/zero1.py, gas_lab/measure/memory.py): the layout, one process against stage 0, and
 2 ranks against DeepSpeed 0.19.8 stage 1 (parameters, counters, collectives, memory), including
 coalesce_grad_reduction() and a direct loss.backward() (which only stage >= 1 accepts)."""
 
@@ -9,9 +9,10 @@ import torch
 from parity_support import ADAM, ADAMW, SGD, TOL, assert_same, run_case
 from parity_support import config as shared_config
 
+from gas_lab.dp import clip_by_norm
 from gas_lab.engine import initialize
-from gas_lab.parity import micro_batch, tiny_model
-from gas_lab.zero1 import ALIGNMENT, Layout, ShardedUpdate, clip_sharded
+from gas_lab.lessons.toys import micro_batch, tiny_model
+from gas_lab.zero1 import ALIGNMENT, Layout, ShardedUpdate, global_norm
 
 
 def config(optimizer, gas, managed=True, stage=1, **extra):
@@ -119,14 +120,15 @@ def test_a_param_group_of_mixed_dtypes_is_refused():
         ShardedUpdate(params, torch.optim.SGD(params, lr=0.1), None, cfg, reduce="broadcast")
 
 
-def test_clip_sharded_without_a_group_is_torch_clipping():
+def test_sharded_clipping_without_a_group_is_torch_clipping():
     torch.manual_seed(0)
     grads = [torch.randn(7), torch.randn(4)]
     ref = [g.clone().requires_grad_() for g in grads]
     for r, g in zip(ref, grads, strict=True):
         r.grad = g.clone()
     expected = torch.nn.utils.clip_grad_norm_(ref, 0.5)
-    norm = clip_sharded(grads, 0.5)
+    norm = global_norm(grads)
+    clip_by_norm(grads, norm, 0.5)
     assert abs(norm.item() - expected.item()) <= 1e-6 and norm.item() > 0.5
     for r, g in zip(ref, grads, strict=True):
         assert (r.grad - g).abs().max().item() <= 1e-7
@@ -142,7 +144,8 @@ def _sharded_clipping(max_norm):
     start, end = layout.shard(dist.get_rank())
     shard = torch.nn.functional.pad(full, (0, layout.padding))[start:end].clone()
     local_only = shard.norm().item()  # the mistake: a norm of this rank's shard only
-    norm = clip_sharded([shard], max_norm, dist.group.WORLD)
+    norm = global_norm([shard], dist.group.WORLD)
+    clip_by_norm([shard], norm, max_norm)
     gathered = torch.empty(layout.padded_numel)
     dist.all_gather_into_tensor(gathered, shard)
     ref = full.clone().requires_grad_()
@@ -213,7 +216,7 @@ def test_frozen_unused_and_uneven_match_deepspeed(cluster, cfg, kw):
 
 
 def _step_without_backward():
-    from gas_lab.parity import deepspeed_initialize, train
+    from gas_lab.measure.parity import deepspeed_initialize, train
 
     cfg, n = config(ADAM, 3, False), [2, 0, 5, 1]
     engines = {
@@ -261,7 +264,7 @@ def _sharded_initialize(mode):
 
 
 def _collectives(cfg, kw, steps):
-    from gas_lab.parity import deepspeed_initialize, train
+    from gas_lab.measure.parity import deepspeed_initialize, train
 
     out, params = {}, {}
     for name, init in [
@@ -325,9 +328,9 @@ def _loop_by_op(lib, cfg, loop, steps=2, n=None):
     """
     import torch.distributed as dist
 
-    from gas_lab.comm import count_collectives
-    from gas_lab.parity import deepspeed_initialize
-    from gas_lab.pitfalls import flat
+    from gas_lab.lessons.toys import flat_params
+    from gas_lab.measure.comm import count_collectives
+    from gas_lab.measure.parity import deepspeed_initialize
 
     init = initialize if lib == "gas_lab" else deepspeed_initialize()
     model = tiny_model(0)
@@ -363,7 +366,7 @@ def _loop_by_op(lib, cfg, loop, steps=2, n=None):
             if not managed:
                 call("step", engine.step)
     counters = (engine.global_steps, engine.global_samples, engine.micro_steps)
-    return flat(engine.module), counters, ops
+    return flat_params(engine.module), counters, ops
 
 
 def _both(cfg, loop, n=None):
@@ -395,14 +398,14 @@ def test_coalesce_grad_reduction_matches_deepspeed(cluster, cfg):
             [[]] * (gas - 1) + [["all_reduce", "all_gather"]]
         ) * 2
     # The same training as the loop without the block, and the replicas agree on it.
-    from gas_lab.pitfalls import flat
+    from gas_lab.lessons.toys import flat_params
 
     plain = cluster.run(_loop_by_op, "gas_lab", cfg, "engine", timeout=60)
     for out, ref in zip(ranks, plain, strict=True):
         ours = out["gas_lab"]
         assert (ours[0] - ref[0]).abs().max().item() <= TOL and ours[1] == ref[1]
     assert torch.equal(ranks[0]["gas_lab"][0], ranks[1]["gas_lab"][0])
-    assert (ranks[0]["gas_lab"][0] - flat(tiny_model(0))).abs().max().item() > 1e-3
+    assert (ranks[0]["gas_lab"][0] - flat_params(tiny_model(0))).abs().max().item() > 1e-3
 
 
 @pytest.mark.ranks
@@ -421,8 +424,8 @@ def test_direct_backward_matches_deepspeed(cluster, managed, n):
 
 # ---------------------------------------------------------------- 2 ranks: memory
 def _memory(optimizer):
-    from gas_lab.memory import measure
-    from gas_lab.parity import deepspeed_initialize, train
+    from gas_lab.measure.memory import measure
+    from gas_lab.measure.parity import deepspeed_initialize, train
 
     out = {}
     for name, init in (("gas_lab", initialize), ("deepspeed", deepspeed_initialize())):

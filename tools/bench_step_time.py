@@ -61,7 +61,7 @@ class Runner:
         self.rank = dist.get_rank()
         model = make_model(args.d_in, args.hidden, args.layers)
         if library == "deepspeed":
-            from gas_lab.parity import deepspeed_initialize
+            from gas_lab.measure.parity import deepspeed_initialize
 
             self.engine = deepspeed_initialize()(
                 model=model, model_parameters=model.parameters(), config=config
@@ -174,9 +174,9 @@ def main(argv=None) -> None:
     parser.add_argument("--layers", type=int, default=2)
     args = parser.parse_args(argv)
 
-    from gas_lab.parity import ensure_process_group
+    from gas_lab.dp import init_from_env
 
-    ensure_process_group()  # from torchrun's RANK/WORLD_SIZE/MASTER_*
+    init_from_env()  # from torchrun's RANK/WORLD_SIZE/MASTER_*
     if torch.cuda.is_available():
         torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
     result = bench(args)

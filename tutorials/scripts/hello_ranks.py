@@ -14,8 +14,8 @@ import json
 import torch
 import torch.distributed as dist
 
-from gas_lab import hello
-from gas_lab.on_rank import init_from_env
+from gas_lab.dp import init_from_env
+from gas_lab.lessons import hello
 
 
 def main() -> None:

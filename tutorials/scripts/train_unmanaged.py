@@ -1,7 +1,7 @@
 """Tutorial 07 as a script: an RL-style loop with unmanaged gradient accumulation on DeepSpeed.
 
 Each optimizer step, every rank trains on however many micro-batches of variable-length
-sequences its rollouts produced (gas_lab.rollouts), one backward() each, then one step(). The
+sequences its rollouts produced (gas_lab.lessons.rollouts), one backward() each, then one step(). The
 loss of each micro-batch is its summed token loss / the step's real tokens on ALL ranks x the
 world size, passed as backward(loss, scale_wrt_gas=False).
 
@@ -12,7 +12,7 @@ world size, passed as backward(loss, scale_wrt_gas=False).
 
 The world size comes from the launcher. Rank 0 prints one JSON line per step and a final JSON
 summary line (progress bar on stderr). Config precedence: --stage/--managed on the command line,
-then --ds-config, then the course's config (gas_lab.rollouts.capstone_config). See
+then --ds-config, then the course's config (gas_lab.lessons.rollouts.capstone_config). See
 docs/scale_out.md for clusters.
 """
 
@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from gas_lab import rollouts
-from gas_lab.on_rank import init_from_env
+from gas_lab.dp import init_from_env
+from gas_lab.lessons import rollouts
 
 
 def parse_args() -> argparse.Namespace:

@@ -34,8 +34,8 @@ import sys
 import tempfile
 import time
 
-from gas_lab.on_rank import call_on_rank, exec_on_rank, setup_rank
-from gas_lab.rank_errors import RankError, RankStallError, error_text
+from gas_lab.runtime.on_rank import call_on_rank, exec_on_rank, setup_rank
+from gas_lab.runtime.rank_errors import RankError, RankStallError, error_text
 
 DEFAULT_TIMEOUT = 60.0  # seconds a call may run before its unfinished ranks count as stalled
 # Harmless lines DeepSpeed prints on a CPU-only machine while probing optional features
@@ -54,7 +54,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _default_world_size() -> tuple[int, str]:
+def default_world_size() -> tuple[int, str]:
     """One rank per GPU with nccl where GPUs exist, else 2 CPU ranks with gloo."""
     try:
         import torch
@@ -88,7 +88,7 @@ def _ship_module_by_value(fn) -> None:
     if mod is None or path is None or mod.__name__ == "__main__":
         return
     roots = {sysconfig.get_paths()[k] for k in ("purelib", "platlib", "stdlib")}
-    roots.add(os.path.dirname(os.path.dirname(__file__)) + os.sep + "gas_lab")
+    roots.add(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # gas_lab/ itself
     if not any(os.path.abspath(path).startswith(r) for r in roots):
         cloudpickle.register_pickle_by_value(mod)
 
@@ -279,7 +279,7 @@ def start_cluster(
     processes never pile up.
     """
     global _current
-    gpus, default_backend = _default_world_size()
+    gpus, default_backend = default_world_size()
     if device not in (None, "cpu", "cuda"):
         raise ValueError(f"device={device!r}: use 'cpu', 'cuda' or None (automatic)")
     if device == "cuda" and default_backend != "nccl":

@@ -1,8 +1,8 @@
 """Checkers for lesson 06 (rejected combinations, and the ones accepted but silently wrong).
 
 Exercise 1 asks for a prediction per scenario: "accepted", "rejected" or "silently wrong". The
-answer key is not typed in here: it comes from the rules data (:func:`gas_lab.prediction.predict`,
-checked against DeepSpeed's measured matrix) and the traps (:data:`gas_lab.traps.TRAPS`, each
+answer key is not typed in here: it comes from the rules data (:func:`gas_lab.rules.prediction.predict`,
+checked against DeepSpeed's measured matrix) and the traps (:data:`gas_lab.rules.traps.TRAPS`, each
 measured on DeepSpeed in the lesson). Exercise 2 asks for the initialize-time rules as code and
 grades it against every relevant case of the measured matrix.
 """
@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from gas_lab import prediction, traps
-from gas_lab.exercises.verdict import Verdict, check_cases
-from gas_lab.traps import Loop
+from gas_lab.lessons.exercises.verdict import Verdict, check_cases
+from gas_lab.rules import prediction, traps
+from gas_lab.rules.traps import Loop
 
 ANSWERS = ("accepted", "rejected", "silently wrong")
 BASE = {

@@ -17,43 +17,17 @@ The same :class:`RolloutRun` runs in the notebook's ranks and in
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import Tensor
 
 from gas_lab.accumulate import Batch, Window, normalized_loss, token_loss
 from gas_lab.config import load_config
-from gas_lab.pitfalls import global_count
-
-
-# ---------------------------------------------------------------- the model
-class TinyTransformer(nn.Module):
-    """Token + position embedding, one pre-norm block (causal attention, MLP), logits; seeded."""
-
-    def __init__(self, seed: int = 0, vocab: int = 16, dim: int = 16, max_len: int = 12):
-        super().__init__()
-        torch.manual_seed(seed)
-        self.embed, self.pos = nn.Embedding(vocab, dim), nn.Embedding(max_len, dim)
-        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
-        # No bias: a key bias shifts a whole row of scores, which softmax ignores; its gradient
-        # is then float32 noise, which Adam would blow up into lr-sized random steps.
-        self.qkv, self.proj = nn.Linear(dim, 3 * dim, bias=False), nn.Linear(dim, dim)
-        self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
-        self.head = nn.Linear(dim, vocab)
-
-    def forward(self, tokens: Tensor) -> Tensor:
-        t = tokens.shape[1]
-        h = self.embed(tokens) + self.pos(torch.arange(t, device=tokens.device))
-        q, k, v = self.qkv(self.norm1(h)).chunk(3, dim=-1)
-        scores = q @ k.transpose(1, 2) / math.sqrt(q.shape[-1])
-        # Causal: a token sees only itself and earlier ones, so right-padding never leaks in.
-        causal = torch.ones(t, t, dtype=torch.bool, device=tokens.device).tril()
-        h = h + self.proj(scores.masked_fill(~causal, float("-inf")).softmax(-1) @ v)
-        return self.head(h + self.mlp(self.norm2(h)))
+from gas_lab.dp import global_count
+from gas_lab.lessons.toys import TinyTransformer, flat_params
 
 
 # ---------------------------------------------------------------- the rollouts
@@ -156,11 +130,6 @@ def capstone_config(stage=1, managed=False, clip=0.0, lr=1e-2, spec=SPEC) -> dic
         "optimizer": {"type": "Adam", "params": {"lr": lr, "torch_adam": True}},
         "steps_per_print": 10**9,  # DeepSpeed's own progress lines would drown ours
     }
-
-
-def flat_params(module: nn.Module) -> Tensor:
-    """Every parameter as one detached float32 CPU vector (to compare and to ship)."""
-    return torch.cat([p.detach().float().flatten().cpu() for p in module.parameters()])
 
 
 class RolloutRun:

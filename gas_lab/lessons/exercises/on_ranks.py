@@ -1,7 +1,7 @@
 """Run a learner's function on every rank, for the checkers whose exercises need the ranks.
 
 :func:`run_on_ranks` is the one plumbing those checkers share: it turns an untouched TODO on
-any rank into ``NotImplementedError`` here (so :func:`~gas_lab.exercises.check_cases` reports
+any rank into ``NotImplementedError`` here (so :func:`~gas_lab.lessons.exercises.check_cases` reports
 "todo"), and an exception on a rank into a :class:`RankFailure` that names the rank.
 """
 

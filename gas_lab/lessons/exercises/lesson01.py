@@ -14,19 +14,16 @@ import torch
 from gas_lab.accumulate import (
     Batch,
     Grads,
-    TinySeqModel,
     accumulate_gradients,
     compare_grads,
     full_batch_gradient,
     grads_of,
-    make_mlp,
     mse_loss,
-    regression_batch,
-    sequence_batch,
     split_batch,
     token_loss,
 )
-from gas_lab.exercises.verdict import Verdict, check_cases
+from gas_lab.lessons.exercises.verdict import Verdict, check_cases
+from gas_lab.lessons.toys import TinySeqModel, regression_batch, regression_mlp, sequence_batch
 
 TOL = 1e-5  # max relative gradient error accepted: float32 noise is ~1e-7
 
@@ -44,17 +41,17 @@ def _loop_case(fn: Callable, n_micro: int, stale: bool) -> Callable[[], dict]:
     def run() -> dict:
         batch = regression_batch(16, seed=n_micro)
         micro = split_batch(batch, n_micro)
-        model = make_mlp(seed=1)
+        model = regression_mlp(seed=1)
         if stale:  # gradients left over from a "previous step"
             for p in model.parameters():
                 p.grad = torch.ones_like(p)
         fn(model, micro, mse_loss)
-        last = full_batch_gradient(make_mlp(seed=1), micro[-1], mse_loss, "per_sample")
+        last = full_batch_gradient(regression_mlp(seed=1), micro[-1], mse_loss, "per_sample")
         return {
             "got": grads_of(model),
             "n": n_micro,
             "last": last,
-            "ref": full_batch_gradient(make_mlp(seed=1), batch, mse_loss, "per_sample"),
+            "ref": full_batch_gradient(regression_mlp(seed=1), batch, mse_loss, "per_sample"),
         }
 
     return run
@@ -111,11 +108,11 @@ def _judge_ragged(r: dict) -> str | None:
     # measure what these weights would do to a real gradient
     batch = regression_batch(sum(sizes), seed=3)
     micro = split_batch(batch, sizes)
-    model = make_mlp(seed=1)
+    model = regression_mlp(seed=1)
     model.zero_grad()
     for w, mb in zip(got, micro, strict=True):
         (w * mse_loss(model, mb).mean()).backward()
-    err = compare_grads(grads_of(model), full_batch_gradient(make_mlp(1), batch, mse_loss))
+    err = compare_grads(grads_of(model), full_batch_gradient(regression_mlp(1), batch, mse_loss))
     name = (
         " (that is mean of means: 1/N each)"
         if all(abs(g - 1 / len(sizes)) < 1e-6 for g in got)

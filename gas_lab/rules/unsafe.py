@@ -1,6 +1,6 @@
 """UNSAFE TEACHING MODE: switch a rule off and measure the silent failure it prevents.
 
-Never train with this. Lesson 06 uses it to show *why* each refusal in :mod:`gas_lab.rules`
+Never train with this. Lesson 06 uses it to show *why* each refusal in :mod:`gas_lab.rules.refusals`
 exists: with the check skipped, the run completes without an error, and only a measurement
 (ranks drifting apart, distance from the reference, a count of all-reduces) shows the damage.
 
@@ -30,15 +30,17 @@ import torch
 import torch.distributed as dist
 
 from gas_lab import engine as gas_engine
-from gas_lab import rules
 from gas_lab.config import load_config
+from gas_lab.dp import default_group
+from gas_lab.rules import refusals
+from gas_lab.update import strategy_for
 
 BANNER = "UNSAFE TEACHING MODE: rules skipped: {}. Never train with this engine."
 # Skipping a rule about a feature gas_lab leaves out also lets that feature past scope checks.
 _ALSO_SKIP = {"unmanaged_deepcompile": {"deepcompile"}}
 
 
-class _GatedReduction:
+class GatedReduction:
     """Wraps the engine's update strategy: decides whether a reduction really happens."""
 
     def __init__(self, inner, engine: UnsafeEngine):
@@ -73,7 +75,7 @@ class UnsafeEngine(gas_engine.Engine):
             config.compile.deepcompile
         )
         self.loss_scale = loss_scale if config.amp is not None else None
-        self._update = _GatedReduction(self._update, self)
+        self._update = GatedReduction(self._update, self)
 
     @property
     def reductions(self) -> dict[str, int]:
@@ -83,7 +85,7 @@ class UnsafeEngine(gas_engine.Engine):
         boundary = self.is_gradient_accumulation_boundary() and not self.inside_no_sync_ctxt
         if self.loss_scale is not None:
             loss = loss * self.loss_scale  # Apex: scale up so small fp16 gradients survive
-        with rules.skipping(self.skipped):
+        with refusals.skipping(self.skipped):
             out = super().backward(loss, retain_graph=retain_graph, scale_wrt_gas=scale_wrt_gas)
         if self.loss_scale is not None:
             if boundary:  # Apex unscales only when it is told this backward() ends the step
@@ -94,7 +96,7 @@ class UnsafeEngine(gas_engine.Engine):
         return out
 
     def _on_output_grad(self, grad):
-        with rules.skipping(self.skipped):
+        with refusals.skipping(self.skipped):
             return super()._on_output_grad(grad)
 
     def _after_direct_backward(self):
@@ -104,16 +106,16 @@ class UnsafeEngine(gas_engine.Engine):
         super()._after_direct_backward()
 
     def step(self, lr_kwargs=None):
-        with rules.skipping(self.skipped):
+        with refusals.skipping(self.skipped):
             return super().step(lr_kwargs)
 
-    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
-        with rules.skipping(self.skipped):
+    def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
+        with refusals.skipping(self.skipped):
             super().set_gradient_accumulation_boundary(is_boundary)
 
     @contextlib.contextmanager
     def no_sync(self):
-        with rules.skipping(self.skipped):
+        with refusals.skipping(self.skipped):
             block = super().no_sync()
             block.__enter__()
         try:
@@ -131,19 +133,19 @@ def initialize(
     ``loss_scale`` is the Apex-style scale used when the config has an ``amp`` block.
     """
     skip = set(skip)
-    known = {r.name for r in rules.RULES} | {o.name for o in rules.OUT_OF_SCOPE}
+    known = {r.name for r in refusals.RULES} | {o.name for o in refusals.OUT_OF_SCOPE}
     if skip - known:
         raise ValueError(f"unknown rules {sorted(skip - known)}; choose from {sorted(known)}")
     for name in list(skip):
         skip |= _ALSO_SKIP.get(name, set())
-    group = group if group is not None else gas_engine._default_group()
+    group = group if group is not None else default_group()
     world_size = dist.get_world_size(group) if group is not None else 1
-    with rules.skipping(skip):
+    with refusals.skipping(skip):
         cfg = load_config(config, world_size=world_size)
     if cfg.amp is not None and cfg.zero_optimization.stage > 0:
         raise ValueError("Apex AMP never worked with ZeRO; model it at stage 0 only")
     optimizer = cfg.optimizer.torch_optimizer(model.parameters())
-    strategy = gas_engine._strategy_for(cfg.zero_optimization.stage)
+    strategy = strategy_for(cfg.zero_optimization.stage)
     engine = UnsafeEngine(model, optimizer, cfg, group, strategy, skip, loss_scale)
     if not quiet and (group is None or dist.get_rank(group) == 0):
         print(BANNER.format(", ".join(sorted(skip))))
@@ -156,7 +158,7 @@ def deepspeed_initialize(model, config: dict):
     DeepSpeed checks ``managed_gradient_accumulation`` once, at initialize: build the engine
     as managed, then switch the flag. Use :func:`pretend_managed` around later calls.
     """
-    from gas_lab.parity import deepspeed_initialize as ds_initialize
+    from gas_lab.measure.parity import deepspeed_initialize as ds_initialize
 
     unmanaged = config.get("managed_gradient_accumulation", True) is False
     config = {**config, "managed_gradient_accumulation": True}

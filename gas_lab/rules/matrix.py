@@ -1,6 +1,6 @@
 """Measure which combinations DeepSpeed accepts and rejects, and when, on 2 CPU ranks.
 
-    .venv/bin/python tools/measure_matrix.py            # writes data/deepspeed_<version>_matrix.json
+    .venv/bin/python -m gas_lab.rules.matrix     # writes data/deepspeed_<version>_matrix.json
 
 Every case is a config plus a small script of operations ("ops") run after ``initialize``:
 ``backward`` (forward + ``engine.backward(loss)``), ``tensor_backward`` (forward +
@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+DATA = Path(__file__).resolve().parents[2] / "data"  # the repository's data/ folder
 GAS = 2  # gradient_accumulation_steps of every case
 BASE = {
     "train_micro_batch_size_per_gpu": 2,
@@ -131,7 +131,7 @@ def cases() -> list[dict]:
 def _model(pipeline: bool):
     import torch
 
-    from gas_lab.parity import tiny_model
+    from gas_lab.lessons.toys import tiny_model
 
     if not pipeline:
         return tiny_model(0)
@@ -149,7 +149,7 @@ def _run_op(engine, op, state, contexts):
     import torch
     import torch.distributed as dist
 
-    from gas_lab.parity import micro_batch
+    from gas_lab.lessons.toys import micro_batch
 
     rank = dist.get_rank() if dist.is_initialized() else 0
     size = engine.train_micro_batch_size_per_gpu()
@@ -210,7 +210,7 @@ def measure(selected: list[dict], engine: str = "deepspeed") -> list[dict]:
     import logging
 
     from gas_lab.engine import initialize as gas_initialize
-    from gas_lab.parity import deepspeed_initialize
+    from gas_lab.measure.parity import deepspeed_initialize
 
     init = deepspeed_initialize() if engine == "deepspeed" else gas_initialize
     logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
@@ -221,7 +221,6 @@ def main(out: Path | None = None) -> Path:
     import deepspeed
     import torch
 
-    sys.path.insert(0, str(ROOT))
     import gas_lab
 
     all_cases = cases()
@@ -235,14 +234,14 @@ def main(out: Path | None = None) -> Path:
         if any(r != results[0] for r in results):  # would mean a rank-dependent rule
             raise RuntimeError(f"ranks disagree on {case['id']}: {results}")
         case.update(results[0])
-    out = out or ROOT / "data" / f"deepspeed_{deepspeed.__version__}_matrix.json"
+    out = out or DATA / f"deepspeed_{deepspeed.__version__}_matrix.json"
     accepted = sum(c["outcome"] == "accepted" for c in all_cases)
     doc = {
         "deepspeed_version": deepspeed.__version__,
         "torch_version": torch.__version__,
         "python": platform.python_version(),
         "accelerator": "cpu (DS_ACCELERATOR=cpu), gloo, 2 ranks",
-        "measured_by": "tools/measure_matrix.py",
+        "measured_by": "python -m gas_lab.rules.matrix",
         "notes": NOTES,
         "summary": {
             "cases": len(all_cases),

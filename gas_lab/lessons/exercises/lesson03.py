@@ -13,9 +13,9 @@ from collections.abc import Callable
 import torch
 
 from gas_lab.engine import initialize
-from gas_lab.exercises.verdict import Verdict, check_cases
-from gas_lab.parity import micro_batch, tiny_model
-from gas_lab.pitfalls import flat, reference_params
+from gas_lab.lessons.exercises.verdict import Verdict, check_cases
+from gas_lab.lessons.toys import flat_params, micro_batch, tiny_model
+from gas_lab.measure.parity import reference_params
 
 TOL = 1e-6
 LR = 0.1
@@ -57,7 +57,7 @@ def run_windows(fn: Callable, config: dict, ns: list[int]) -> dict:
     engine = new_engine(config)
     for micro_batches in windows(ns):
         fn(engine, micro_batches, mse)
-    return {"params": flat(engine.module), "counters": counters(engine)}
+    return {"params": flat_params(engine.module), "counters": counters(engine)}
 
 
 def _close(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -6,6 +6,6 @@ concept. In a notebook the verdict is *shown*, not raised, so an untouched TODO 
 the notebook runnable (nbmake stays green); tests call ``verdict.raise_if_failed()``.
 """
 
-from gas_lab.exercises.verdict import Verdict, check_cases
+from gas_lab.lessons.exercises.verdict import Verdict, check_cases
 
 __all__ = ["Verdict", "check_cases"]

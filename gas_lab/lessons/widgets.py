@@ -11,16 +11,14 @@ from collections.abc import Sequence
 from gas_lab.accumulate import (
     NORMALIZATIONS,
     GradDiff,
-    TinySeqModel,
     accumulate_gradients,
     compare_grads,
     even_sizes,
     full_batch_gradient,
-    sequence_batch,
     split_batch,
-    spread_lengths,
     token_loss,
 )
+from gas_lab.lessons.toys import TinySeqModel, sequence_batch, spread_lengths
 
 
 # ---------------------------------------------------------------- lesson 01: the compute
@@ -65,7 +63,7 @@ def accumulation_explorer(n_max: int = 8):
     import matplotlib.pyplot as plt
     from IPython.display import display
 
-    from gas_lab.plots import plot_error_vs_n
+    from gas_lab.lessons.plots import plot_error_vs_n
 
     n = w.IntSlider(value=4, min=1, max=n_max, description="N")
     spread = w.FloatSlider(value=0.5, min=0.0, max=1.0, step=0.05, description="length spread")

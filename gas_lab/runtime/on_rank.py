@@ -1,39 +1,9 @@
-"""What runs inside each rank process of the notebook runtime (see :mod:`gas_lab.cluster`).
+"""What runs inside each rank process of the notebook runtime (see :mod:`gas_lab.runtime.cluster`).
 
 These functions are sent to the ranks, so they import what they need themselves.
 """
 
 from __future__ import annotations
-
-from datetime import timedelta
-
-
-def init_from_env(init_method: str = "env://", timeout_s: float = 120.0) -> str:
-    """Join the default process group the way ``torchrun`` scripts do, from ``RANK`` etc.
-
-    One process per GPU with nccl where CUDA exists; otherwise gloo on the CPU, with
-    ``DS_ACCELERATOR=cpu`` so DeepSpeed does not look for a GPU. Returns the backend.
-    """
-    import os
-
-    import torch
-    import torch.distributed as dist
-
-    if torch.cuda.is_available():
-        backend = "nccl"
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    else:
-        backend = "gloo"
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    if not dist.is_initialized():
-        dist.init_process_group(
-            backend,
-            init_method=init_method,
-            rank=int(os.environ["RANK"]),
-            world_size=int(os.environ["WORLD_SIZE"]),
-            timeout=timedelta(seconds=timeout_s),
-        )
-    return backend
 
 
 def setup_rank(rank: int, store_path: str, pg_timeout_s: float) -> dict:
@@ -41,6 +11,8 @@ def setup_rank(rank: int, store_path: str, pg_timeout_s: float) -> dict:
     import os
 
     import torch.distributed as dist
+
+    from gas_lab.dp import init_from_env
 
     os.environ["RANK"] = os.environ["LOCAL_RANK"] = str(rank)
     # A file store (not a TCP store) so that nothing listens beyond gloo's loopback pairs.

@@ -13,7 +13,7 @@ returns what each raised.
 
 from __future__ import annotations
 
-import os
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -21,8 +21,11 @@ import torch
 import torch.distributed as dist
 
 from gas_lab import engine as gas_engine
-from gas_lab import rules
-from gas_lab.comm import count_collectives
+from gas_lab.config import load_config
+from gas_lab.dp import init_from_env
+from gas_lab.lessons.toys import flat_params, micro_batch, tiny_model
+from gas_lab.measure.comm import count_collectives
+from gas_lab.rules import refusals
 
 # A working base config for examples: tiny batches, Adam from torch (no fused-Adam JIT build).
 BASE_CONFIG = {
@@ -48,33 +51,6 @@ class ParityResult:
 
     def ok(self, tol: float = 1e-6) -> bool:
         return self.max_abs_diff <= tol and self.counters_equal
-
-
-def tiny_model(seed: int, in_features: int = 4, hidden: int = 8, out_features: int = 2):
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(
-        torch.nn.Linear(in_features, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, out_features)
-    )
-
-
-def micro_batch(seed: int, step: int, micro: int, rank: int, size: int, in_f=4, out_f=2):
-    """Deterministic data: every (seed, step, micro-batch, rank) has its own fixed sample."""
-    g = torch.Generator().manual_seed(((seed * 1000 + step) * 1000 + micro) * 1000 + rank)
-    return torch.randn(size, in_f, generator=g), torch.randn(size, out_f, generator=g)
-
-
-def ensure_process_group() -> None:
-    """DeepSpeed needs a process group; outside a launcher, make a 1-process gloo group."""
-    os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
-    if not dist.is_initialized():
-        if "RANK" in os.environ:
-            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-        else:
-            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    # DeepSpeed reads the launcher's variables even when the group already exists.
-    os.environ.setdefault("LOCAL_RANK", str(dist.get_rank() % max(torch.cuda.device_count(), 1)))
-    os.environ.setdefault("RANK", str(dist.get_rank()))
-    os.environ.setdefault("WORLD_SIZE", str(dist.get_world_size()))
 
 
 def train(
@@ -140,10 +116,24 @@ def _counters(engine) -> tuple:
 
 
 def deepspeed_initialize():
-    ensure_process_group()
+    """``deepspeed.initialize``, after joining (or making) the process group DeepSpeed needs."""
+    init_from_env()
     import deepspeed  # imported late: it is slow to import and needs DS_ACCELERATOR set
 
     return deepspeed.initialize
+
+
+LIBRARIES = ("gas_lab", "deepspeed")
+
+
+def initializer(library: str) -> Callable:
+    """The ``initialize`` of ``library``: ``"gas_lab"`` or ``"deepspeed"`` (call it on a rank).
+
+    Lessons write one loop and run it on both: ``initializer(lib)(model=..., config=...)``.
+    """
+    if library not in LIBRARIES:
+        raise ValueError(f"library {library!r}: choose from {LIBRARIES}")
+    return gas_engine.initialize if library == "gas_lab" else deepspeed_initialize()
 
 
 def run_parity(config: dict, steps: int = 3, **kw) -> ParityResult:
@@ -165,9 +155,9 @@ def run_parity(config: dict, steps: int = 3, **kw) -> ParityResult:
     )
 
 
-def check_rule(rule: rules.Rule, base: dict | None = None) -> dict[str, BaseException | None]:
+def check_rule(rule: refusals.Rule, base: dict | None = None) -> dict[str, BaseException | None]:
     """Run ``rule.example`` on gas_lab and on DeepSpeed; return what each raised (or None)."""
-    config = rules.example_config(rule, base or BASE_CONFIG)
+    config = refusals.example_config(rule, base or BASE_CONFIG)
     out = {}
     for name, init in (("gas_lab", gas_engine.initialize), ("deepspeed", deepspeed_initialize())):
         try:
@@ -178,7 +168,7 @@ def check_rule(rule: rules.Rule, base: dict | None = None) -> dict[str, BaseExce
     return out
 
 
-def _trigger(initialize, config, example: rules.Example) -> None:
+def _trigger(initialize, config, example: refusals.Example) -> None:
     if example.pipeline:
         from deepspeed.pipe import PipelineModule
 
@@ -206,3 +196,48 @@ def _trigger(initialize, config, example: rules.Example) -> None:
         torch.nn.functional.mse_loss(engine(x), y).backward()
     elif example.action != "initialize":
         raise ValueError(f"unknown example action {example.action!r}")
+
+
+def reference_params(
+    config: dict,
+    steps: int,
+    micro_batches: Sequence[int] | Callable[[int, int], int] | None = None,
+    world_size: int = 2,
+    clip: float = 0.0,
+    seed: int = 0,
+    grad_norms: list[float] | None = None,
+) -> torch.Tensor:
+    """Single process, no engine: the parameters a correct loop ends with (returned flat).
+
+    Each step takes every micro-batch every rank would run (``micro_batches`` as in
+    ``parity.train``), averages the loss over all of their samples (every sample weighs the
+    same), clips at ``clip`` if it is > 0, and takes one step of the optimizer the config
+    names (built as DeepSpeed builds it: type "Adam" is AdamW). Runs anywhere; no collectives.
+    If ``grad_norms`` is a list, each step's gradient norm (before clipping) is appended to it.
+    """
+    cfg = load_config(config, world_size=world_size)
+    model = tiny_model(seed)
+    optimizer = cfg.optimizer.torch_optimizer(model.parameters())
+    size = cfg.train_micro_batch_size_per_gpu
+    for step in range(steps):
+        pairs = [
+            micro_batch(seed, step, m, rank, size)
+            for rank in range(world_size)
+            for m in range(
+                micro_batches_in(micro_batches, step, rank, cfg.gradient_accumulation_steps)
+            )
+        ]
+        if not pairs:
+            # No data anywhere: the engines still step, with zero gradients.
+            for p in model.parameters():
+                p.grad = torch.zeros_like(p)
+        else:
+            x, y = (torch.cat(t) for t in zip(*pairs, strict=True))
+            torch.nn.functional.mse_loss(model(x), y).backward()
+        # max_norm inf: only measure. torch's clip scales by max_norm / (norm + 1e-6), as DeepSpeed.
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip > 0 else math.inf)
+        if grad_norms is not None:
+            grad_norms.append(norm.item())
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return flat_params(model)

@@ -3,7 +3,7 @@
 ``tools/measure_matrix.py`` ran DeepSpeed 0.19.8 on 2 CPU ranks for every combination that
 matters and wrote down what happened: accepted, or which exception at which call. That file is
 :func:`measured_matrix`. :func:`predict` answers the same question from the data in
-``gas_lab/rules.py`` alone, walking the same script of calls; ``tests/test_rules.py`` checks
+``gas_lab/rules/refusals.py`` alone, walking the same script of calls; ``tests/test_rules.py`` checks
 that the two agree on every measured case, so the rules are known to be complete::
 
     rule, op = predict(config, ["enter_no_sync", "backward", "step"])
@@ -18,7 +18,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from gas_lab.config import parse
-from gas_lab.rules import ALL_RULES, Rule, Situation, first_violation
+from gas_lab.rules import matrix
+from gas_lab.rules.refusals import ALL_RULES, Rule, Situation, first_violation
 
 # What each op of tools/measure_matrix.py calls on the engine (ops not listed check nothing).
 OP_ACTIONS = {
@@ -59,5 +60,5 @@ def measured_matrix(path: str | Path | None = None) -> dict:
     """The matrix measured on the installed DeepSpeed version (``data/`` in the repository)."""
     if path is None:
         version = importlib.metadata.version("deepspeed")  # without importing it (slow)
-        path = Path(__file__).resolve().parents[1] / "data" / f"deepspeed_{version}_matrix.json"
+        path = matrix.DATA / f"deepspeed_{version}_matrix.json"
     return json.loads(Path(path).read_text())

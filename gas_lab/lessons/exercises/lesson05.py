@@ -12,8 +12,8 @@ from collections.abc import Callable
 
 import torch
 
-from gas_lab.exercises.on_ranks import run_on_ranks
-from gas_lab.exercises.verdict import Verdict, check_cases
+from gas_lab.lessons.exercises.on_ranks import run_on_ranks
+from gas_lab.lessons.exercises.verdict import Verdict, check_cases
 from gas_lab.zero1 import ALIGNMENT, Layout
 
 TOL = 1e-5  # float32 noise on vectors of ~50 numbers is ~1e-7

@@ -13,9 +13,10 @@ import torch
 
 from gas_lab.accumulate import Batch, Window, compare_grads, full_batch_gradient, grads_of
 from gas_lab.accumulate import token_loss as _token_loss
-from gas_lab.exercises.on_ranks import run_on_ranks
-from gas_lab.exercises.verdict import Verdict, check_cases
-from gas_lab.rollouts import StepCounts, TinyTransformer, micro_batch_loss, rollouts
+from gas_lab.lessons.exercises.on_ranks import run_on_ranks
+from gas_lab.lessons.exercises.verdict import Verdict, check_cases
+from gas_lab.lessons.rollouts import StepCounts, micro_batch_loss, rollouts
+from gas_lab.lessons.toys import TinyTransformer
 
 TOL = 1e-5  # max relative gradient error accepted (float32 noise is ~1e-7)
 

@@ -1,6 +1,6 @@
 """Accepted, but silently wrong: combinations DeepSpeed runs that still train the wrong model.
 
-``gas_lab/rules.py`` lists what DeepSpeed refuses. This module lists what it *accepts* although
+``gas_lab/rules/refusals.py`` lists what DeepSpeed refuses. This module lists what it *accepts* although
 the result is wrong, each with its symptom (measured on DeepSpeed in lesson 06) and the one-line
 rule that avoids it. A :class:`Trap` looks at the raw config dict (as DeepSpeed reads it, typos
 and all) and at a few facts about the training loop, a :class:`Loop`::

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from gas_lab.exercises.lesson03 import MICRO, run_windows, sgd_config
-from gas_lab.exercises.on_ranks import run_on_ranks
-from gas_lab.exercises.verdict import Verdict, check_cases
-from gas_lab.pitfalls import reference_params
+from gas_lab.lessons.exercises.lesson03 import MICRO, run_windows, sgd_config
+from gas_lab.lessons.exercises.on_ranks import run_on_ranks
+from gas_lab.lessons.exercises.verdict import Verdict, check_cases
+from gas_lab.measure.parity import reference_params
 
 TOL = 1e-6
 GAS = 4  # in the config; the loops below run other numbers of micro-batches on purpose
@@ -78,9 +78,10 @@ def _per_rank_runs(fn: Callable, table: list[list[int]]) -> dict:
     """On a rank: train with the learner's divisor, and with the two classic wrong ones."""
     import torch.distributed as dist
 
+    from gas_lab.dp import global_count
     from gas_lab.engine import initialize
-    from gas_lab.parity import train
-    from gas_lab.pitfalls import flat, global_count
+    from gas_lab.lessons.toys import flat_params
+    from gas_lab.measure.parity import train
 
     world = dist.get_world_size()
     divisors = {
@@ -98,7 +99,7 @@ def _per_rank_runs(fn: Callable, table: list[list[int]]) -> dict:
             scale_wrt_gas=False,
             loss_divisor=lambda n, divisor=divisor: float(divisor(n)),
         )[0]
-        out[name] = flat(engine.module)
+        out[name] = flat_params(engine.module)
     out["world"] = world
     return out
 

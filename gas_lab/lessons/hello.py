@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from gas_lab.lessons.toys import flat_params, regression_mlp
+
 
 def all_reduce_hello() -> dict:
     """Every rank contributes ``rank + 1``; after ``all_reduce`` every rank holds the sum."""
@@ -19,11 +21,6 @@ def all_reduce_hello() -> dict:
     total = mine.clone()
     dist.all_reduce(total)  # default op: SUM, result lands on every rank
     return {"rank": dist.get_rank(), "sent": mine.item(), "received": total.item()}
-
-
-def tiny_model(seed: int = 0) -> torch.nn.Module:
-    torch.manual_seed(seed)  # same seed on every rank -> same initial weights
-    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
 
 
 def zero1_config(micro_batch: int = 4, gas: int = 2) -> dict:
@@ -39,7 +36,7 @@ def zero1_config(micro_batch: int = 4, gas: int = 2) -> dict:
 
 
 def train_tiny_deepspeed(steps: int = 3, seed: int = 0, config: dict | None = None) -> dict:
-    """Train ``tiny_model`` with ``deepspeed.initialize`` for a few optimizer steps.
+    """Train ``regression_mlp`` with ``deepspeed.initialize`` for a few optimizer steps.
 
     Each rank draws *different* data (seeded by rank), so the ranks only end with equal
     parameters if DeepSpeed really averaged their gradients. Returns this rank's parameters
@@ -48,7 +45,7 @@ def train_tiny_deepspeed(steps: int = 3, seed: int = 0, config: dict | None = No
     import deepspeed
 
     config = config or zero1_config()
-    model = tiny_model(seed)
+    model = regression_mlp(seed)  # same seed on every rank -> same initial weights
     engine, *_ = deepspeed.initialize(
         model=model, model_parameters=model.parameters(), config=config
     )
@@ -59,10 +56,9 @@ def train_tiny_deepspeed(steps: int = 3, seed: int = 0, config: dict | None = No
         loss = (engine(x) - x.sum(dim=1, keepdim=True)).pow(2).mean()
         engine.backward(loss)
         engine.step()  # applies an update only on the accumulation boundary
-    flat = torch.cat([p.detach().flatten() for p in engine.module.parameters()]).cpu()
     return {
         "rank": dist.get_rank(),
-        "params": flat,
+        "params": flat_params(engine.module),
         "global_steps": engine.global_steps,
         "global_samples": engine.global_samples,
         "micro_steps": engine.micro_steps,

@@ -1,7 +1,7 @@
 """Checkers for lesson 02 (data parallelism: ranks, averaging, ``no_sync``).
 
 Two exercises run the learner's function on every rank (through
-:func:`~gas_lab.exercises.on_ranks.run_on_ranks`), so their checkers take the notebook's
+:func:`~gas_lab.lessons.exercises.on_ranks.run_on_ranks`), so their checkers take the notebook's
 ``cluster``; the third is arithmetic.
 """
 
@@ -12,10 +12,10 @@ from collections.abc import Callable
 import torch
 
 from gas_lab.config import resolve_batch
-from gas_lab.exercises.on_ranks import run_on_ranks
-from gas_lab.exercises.verdict import Verdict, check_cases
-from gas_lab.parity import micro_batch, tiny_model
-from gas_lab.pitfalls import reference_params
+from gas_lab.lessons.exercises.on_ranks import run_on_ranks
+from gas_lab.lessons.exercises.verdict import Verdict, check_cases
+from gas_lab.lessons.toys import micro_batch, tiny_model
+from gas_lab.measure.parity import reference_params
 
 TOL = 1e-6  # float32 noise on these tiny models is ~1e-8
 LR = 0.1
@@ -98,8 +98,8 @@ def _ddp_case(fn: Callable, n: int, steps: int) -> dict:
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from gas_lab.comm import count_collectives
-    from gas_lab.pitfalls import flat
+    from gas_lab.lessons.toys import flat_params
+    from gas_lab.measure.comm import count_collectives
 
     rank = dist.get_rank()
     model = tiny_model(0)
@@ -110,7 +110,7 @@ def _ddp_case(fn: Callable, n: int, steps: int) -> dict:
         for step in range(steps):
             batches = [micro_batch(0, step, m, rank, 2) for m in range(n)]
             fn(ddp, optimizer, batches, torch.nn.functional.mse_loss)
-    return {"params": flat(model), "calls": log.count("all_reduce")}
+    return {"params": flat_params(model), "calls": log.count("all_reduce")}
 
 
 def _sgd_config(n: int, lr: float = LR) -> dict:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from gas_lab.exercises.on_ranks import run_on_ranks
-from gas_lab.exercises.verdict import Verdict, check_cases
+from gas_lab.lessons.exercises.on_ranks import run_on_ranks
+from gas_lab.lessons.exercises.verdict import Verdict, check_cases
 
 
 def _mean_case(fn, values):

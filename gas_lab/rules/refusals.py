@@ -11,12 +11,12 @@ raises, measured by ``tools/measure_matrix.py`` into ``data/deepspeed_0.19.8_mat
 * :data:`RULES`: the refusals gas_lab enforces itself, at the same moment as DeepSpeed
   (``config.py`` and ``engine.py`` call :func:`enforce`).
 * :data:`DEEPSPEED_ONLY`: refusals DeepSpeed makes where gas_lab stops earlier (ZeRO-2/3, fp16
-  are out of scope); kept for the table and for ``gas_lab.prediction.predict``.
+  are out of scope); kept for the table and for ``gas_lab.rules.prediction.predict``.
 * :data:`OUT_OF_SCOPE`: what DeepSpeed accepts but gas_lab does not teach: those raise
   :class:`NotImplementedInGasLab`, which points you to ``deepspeed.initialize``.
 
-Next door: ``gas_lab/prediction.py`` evaluates these rules on a config and a script of engine
-calls and holds the measured matrix they are checked against; ``gas_lab/traps.py`` lists what
+Next door: ``gas_lab/rules/prediction.py`` evaluates these rules on a config and a script of engine
+calls and holds the measured matrix they are checked against; ``gas_lab/rules/traps.py`` lists what
 DeepSpeed *accepts* that still trains wrong.
 """
 
@@ -29,25 +29,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-
-class GasLabError(Exception):
-    """Base class of every error gas_lab raises on purpose."""
-
-
-class RejectedCombination(GasLabError):
-    """A combination DeepSpeed rejects too; the message names the keys and says why."""
-
-    def __init__(self, rule: Rule):
-        self.rule = rule
-        super().__init__(
-            f"{' + '.join(rule.keys)}: {rule.reason}\n  Silent failure prevented: {rule.prevents}"
-            f"\n  Refused as by DeepSpeed 0.19.8, which raises {rule.deepspeed_raises} at "
-            f"{rule.moment}: {rule.deepspeed_message!r}"
-        )
-
-
-class NotImplementedInGasLab(GasLabError, NotImplementedError):
-    """Something DeepSpeed supports that this course deliberately leaves out."""
+from gas_lab.errors import NotImplementedInGasLab, RejectedCombination
 
 
 @dataclass(frozen=True)
@@ -328,13 +310,13 @@ OUT_OF_SCOPE: list[OutOfScope] = [
     ),
 ]  # fmt: skip
 
-# Names of rules switched off for the current context: only gas_lab.unsafe sets it.
+# Names of rules switched off for the current context: only gas_lab.rules.unsafe sets it.
 _SKIPPED: contextvars.ContextVar[frozenset] = contextvars.ContextVar("skipped", default=frozenset())
 
 
 @contextlib.contextmanager
 def skipping(names: Iterable[str]):
-    """Switch rules (or out-of-scope entries) off inside the block. For gas_lab.unsafe only."""
+    """Switch rules (or out-of-scope entries) off inside the block. For gas_lab.rules.unsafe only."""
     token = _SKIPPED.set(_SKIPPED.get() | frozenset(names))
     try:
         yield
@@ -351,11 +333,11 @@ def first_violation(situation: Situation, entries: Iterable = RULES) -> Rule | O
     return None
 
 
-def enforce(situation: Situation, moment: str | None = None) -> None:
+def enforce(situation: Situation) -> None:
     """Raise for the first rule, then the first out-of-scope entry, that applies now.
 
-    Rules are matched by ``situation.action`` (which call is happening); ``moment`` only says
-    where the caller is, for readers of the calling code.
+    Rules are matched by ``situation.action``: which call is happening (``"initialize"``,
+    ``"step"``, entering ``"no_sync"``, ...).
     """
     rule = first_violation(situation, RULES)
     if rule is not None:

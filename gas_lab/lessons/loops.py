@@ -1,0 +1,63 @@
+"""Loops the lessons measure, beyond the engine's own (lesson 02).
+
+Every function here runs on *every* rank (inside ``cluster.run``) and uses the deterministic
+data of :mod:`gas_lab.lessons.toys`, so any process can rebuild what every rank saw. The answer
+such a loop should reach is :func:`gas_lab.measure.parity.reference_params`.
+
+* :func:`ddp_train`: ``torch.nn.parallel.DistributedDataParallel`` with ``no_sync()`` wrapped
+  around the forward and backward, around the backward only, or not used, counted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+from gas_lab.lessons.toys import flat_params, micro_batch, tiny_model
+from gas_lab.measure.comm import count_collectives
+
+#: Where ``no_sync()`` goes in :func:`ddp_train`: around forward *and* backward (as torch's docs
+#: ask), around the backward only (the trap), or nowhere (plain DDP: reduce every micro-batch).
+PLACEMENTS = ("forward_and_backward", "backward_only", "none")
+
+
+def ddp_train(placement: str, n: int, steps: int, lr: float = 0.1, seed: int = 0) -> dict:
+    """Train ``parity.tiny_model`` with torch's DDP, ``n`` micro-batches per step, SGD.
+
+    ``placement`` (one of :data:`PLACEMENTS`) says what ``no_sync()`` wraps for the first
+    ``n - 1`` micro-batches. Returns this rank's flat parameters and the loop's collectives.
+
+    DDP's reducer calls the process group from C++, where :mod:`gas_lab.measure.comm` cannot see it;
+    registering torch's stock ``allreduce_hook`` (what DDP does anyway: divide by the world
+    size, all-reduce) sends each bucket through ``torch.distributed.all_reduce``, which it can.
+    """
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    if placement not in PLACEMENTS:
+        raise ValueError(f"placement {placement!r}: choose from {PLACEMENTS}")
+    rank = dist.get_rank()
+    model = tiny_model(seed)
+    ddp = DDP(model)
+    ddp.register_comm_hook(None, allreduce_hook)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=lr)
+    with count_collectives() as log:
+        for step in range(steps):
+            for m in range(n):
+                x, y = micro_batch(seed, step, m, rank, 2)
+                skip = m < n - 1 and placement != "none"  # the last one always syncs
+                wrap_all = skip and placement == "forward_and_backward"
+                wrap_backward = skip and placement == "backward_only"
+                with ddp.no_sync() if wrap_all else contextlib.nullcontext():
+                    loss = torch.nn.functional.mse_loss(ddp(x), y) / n
+                    with ddp.no_sync() if wrap_backward else contextlib.nullcontext():
+                        loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    return {
+        "params": flat_params(model),
+        "calls": log.count("all_reduce"),
+        "bytes": log.total_bytes(),
+    }

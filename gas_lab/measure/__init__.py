@@ -1,0 +1,7 @@
+"""Measurement: what a training step sends, holds, and computes, compared with DeepSpeed.
+
+* :mod:`~gas_lab.measure.comm`: counting collectives (kind, calls, bytes).
+* :mod:`~gas_lab.measure.memory`: optimizer-state bytes per rank, from the real tensors.
+* :mod:`~gas_lab.measure.parity`: one loop on gas_lab and on DeepSpeed, and the single-process
+  reference both must reach.
+"""
