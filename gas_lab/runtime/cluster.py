@@ -14,28 +14,35 @@ Each rank is an ipyparallel engine with ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``
 ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` set and a default process group
 initialized, exactly what ``torchrun`` would give a script. Everything listens on loopback.
 
-Failures end the call instead of hanging it: an exception on a rank raises :class:`RankError`
-naming that rank, with its traceback; a rank that does not finish in time (typically stuck
-in a collective another rank never joined) raises :class:`RankStallError` naming it. In both
-cases ranks that are still stuck are killed and fresh ones started, because a process group
-with a half-finished collective cannot be trusted again; variables on the ranks are lost.
+What the ranks print appears in the cell while they run, and a ``tqdm`` bar on a rank is one
+live line. Failures end the call instead of hanging it (:mod:`~gas_lab.runtime.calls`): an
+exception on a rank raises :class:`RankError` naming that rank, with its traceback; a rank that
+dies is named with its exit code or signal; a rank that does not finish in time raises
+:class:`RankStallError`, which says whether it was waiting in a collective (the ranks are then
+restarted: a half-finished collective poisons the process group, and variables on the ranks
+are lost) or busy. Kernel -> Interrupt stops the work on the ranks. Every process started here
+ends with the kernel, however the kernel ends (:mod:`~gas_lab.runtime.lifetime`).
 """
 
 from __future__ import annotations
 
 import atexit
-import inspect
 import logging
 import os
 import re
-import shutil
 import socket
 import sys
 import tempfile
 import time
 
+from gas_lab.runtime import build_lock, lifetime
+from gas_lab.runtime.arguments import check_seconds, check_world_size
+from gas_lab.runtime.calls import Call
+from gas_lab.runtime.magic import register_magic
 from gas_lab.runtime.on_rank import call_on_rank, exec_on_rank, setup_rank
-from gas_lab.runtime.rank_errors import RankError, RankStallError, error_text
+from gas_lab.runtime.rank_errors import RankError, RankInterrupt, RankStallError  # noqa: F401
+from gas_lab.runtime.sending import ship_module_by_value, source_of
+from gas_lab.runtime.watch import RankWatch
 
 DEFAULT_TIMEOUT = 60.0  # seconds a call may run before its unfinished ranks count as stalled
 # Harmless lines DeepSpeed prints on a CPU-only machine while probing optional features
@@ -44,7 +51,6 @@ _NOISE = re.compile(
     r"cannot find -laio|collect2: error: ld returned|all_gather_into_tensor` is deprecated"
     r"|^\s+return func\(\*args, \*\*kwargs\)$"
 )
-ERROR_GRACE = 5.0  # after one rank fails, how long the others get to finish before we stop waiting
 
 
 def _free_port() -> int:
@@ -66,49 +72,41 @@ def default_world_size() -> tuple[int, str]:
     return 2, "gloo"
 
 
-def _source_of(fn) -> tuple[list[str], int] | None:
-    try:
-        lines, first = inspect.getsourcelines(fn)
-        return lines, max(first, 1)
-    except (OSError, TypeError):
-        return None
-
-
-def _ship_module_by_value(fn) -> None:
-    """Functions from a test file or a script beside the notebook are not importable on the
-    ranks, so send their module's code along instead of a reference to it."""
-    import sysconfig
-
-    import cloudpickle
-
-    if not callable(fn):
-        return
-    mod = sys.modules.get(getattr(fn, "__module__", None) or "")
-    path = getattr(mod, "__file__", None)
-    if mod is None or path is None or mod.__name__ == "__main__":
-        return
-    roots = {sysconfig.get_paths()[k] for k in ("purelib", "platlib", "stdlib")}
-    roots.add(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # gas_lab/ itself
-    if not any(os.path.abspath(path).startswith(r) for r in roots):
-        cloudpickle.register_pickle_by_value(mod)
-
-
-class Cluster:
+class Cluster(RankWatch):
     """A set of persistent rank processes. Use :func:`start_cluster` to get one."""
+
+    noise = _NOISE
 
     def __init__(self, world_size: int, backend: str, pg_timeout: float = 120.0):
         self.world_size, self.backend, self.pg_timeout = world_size, backend, pg_timeout
-        self._ipp = self._client = None
+        self._ipp = self._client = self._guardian = None
+        self._tmp = self.cluster_id = None
         self.pids: list[int] = []
+        self._main_threads: list[int] = []
         self.startup_seconds = 0.0
+        self.stopped_by_user = False
+        self.fresh = False  # started anew by a call: its error says earlier variables are gone
 
     # -- life cycle -------------------------------------------------------------------------
     def start(self) -> Cluster:
+        try:
+            return self._start()
+        except BaseException:
+            self._end()  # a failed start leaves nothing behind
+            raise
+
+    def _start(self) -> Cluster:
         import ipyparallel as ipp
 
         t0 = time.perf_counter()
-        self._tmp = tempfile.mkdtemp(prefix="gas_lab_ranks_")
+        self.stopped_by_user = False
         self.master_port = _free_port()
+        self.cluster_id = lifetime.new_cluster_id(self.master_port)
+        self._tmp = tempfile.mkdtemp(prefix=lifetime.TMP_PREFIX)
+        with open(os.path.join(self._tmp, "cluster_id"), "w") as f:
+            f.write(self.cluster_id)
+        self._guardian = lifetime.start_guardian(self.cluster_id, self._tmp)
+        marker = {lifetime.MARKER: self.cluster_id}
         env = {
             "WORLD_SIZE": str(self.world_size),
             "LOCAL_WORLD_SIZE": str(self.world_size),
@@ -117,6 +115,7 @@ class Cluster:
             # Share the cores instead of every rank spawning one thread per core.
             "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // self.world_size)),
             "PYTHONUNBUFFERED": "1",
+            **marker,
         }
         if self.backend == "gloo":
             # CPU ranks even on a GPU machine: hide the GPUs so every layer agrees.
@@ -125,50 +124,60 @@ class Cluster:
             n=self.world_size,
             controller_ip="127.0.0.1",
             log_level=logging.ERROR,  # engines exit non-zero when stopped; that is not news
-            cluster_id=f"gas_lab-{os.getpid()}-{self.master_port}",
+            cluster_id=self.cluster_id,
+            # Connection files and logs in our own folder, removed with it; our stop is fast
+            # (a kill), so ipyparallel's own stop at exit (seconds) is not wanted.
+            profile_dir=os.path.join(self._tmp, "profile"),
+            shutdown_atexit=False,
         )
-        self._ipp.start_controller_sync()
+        self._ipp.start_controller_sync(environment=marker)
         self._ipp.start_engines_sync(self.world_size, environment=env)
         self._client = self._ipp.connect_client_sync()
         self._client.wait_for_engines(self.world_size, timeout=120, interactive=False)
         self._engines = sorted(self._client.ids)[: self.world_size]  # rank r -> engine id
         self._client[self._engines].use_cloudpickle()  # ship functions defined in the notebook
-        store = os.path.join(self._tmp, "store")
-        args = (store, self.pg_timeout)
+        args = (os.path.join(self._tmp, "store"), self.pg_timeout, self._tmp, self.cluster_id)
         futures = [
             self._view(r).apply_async(call_on_rank, setup_rank, (r, *args), {}) for r in self.ranks
         ]
-        infos = self._gather(futures, timeout=120, restart=False)
+        self.pids = [e.pid for e in self._engine_launchers()]  # known before any rank answers
+        infos = Call(self, futures, timeout=120, what="start-up", restart=False).result()
         self.pids = [i["pid"] for i in infos]
+        self._main_threads = [i["main_thread"] for i in infos]
         self.startup_seconds = time.perf_counter() - t0
         return self
 
     def stop(self) -> None:
-        """End every rank process and the controller. Safe to call twice."""
-        if self._ipp is None:
+        """End every rank process and the controller. Safe to call twice. A later call on this
+        cluster starts fresh ranks, and says that variables on the old ones are gone."""
+        self._end()
+        self.stopped_by_user = True
+
+    def _end(self) -> None:
+        """End every process of the cluster, at once, and remove its folder."""
+        if self._guardian is None and self._ipp is None:
             return
-        # Ranks hold no state worth saving, and a rank stuck in a collective ignores a polite
-        # stop, so end them outright; then the controller.
-        _kill(self.pids)
         try:
             if self._client is not None:
                 self._client.close()
-            self._ipp.stop_cluster_sync()
         except Exception:
             pass
-        self._ipp = self._client = None
+        # Ranks hold no state worth saving, and a rank stuck in a collective ignores a polite
+        # stop, so every process of the cluster is killed outright.
+        lifetime.end_cluster(self.cluster_id, self._tmp, self.pids)
+        lifetime.stop_guardian(self._guardian)
+        self._ipp = self._client = self._guardian = None
         self.pids = []
-        shutil.rmtree(self._tmp, ignore_errors=True)
+        if build_lock.locks():  # a C++ build killed part-way leaves its lock behind
+            build_lock.clear_stale_locks(say=lambda m: print(m, file=sys.stderr))
 
     def restart(self) -> Cluster:
-        self.stop()
+        self._end()
         return self.start()
 
     @property
     def running(self) -> bool:
-        import psutil
-
-        return self._ipp is not None and all(psutil.pid_exists(p) for p in self.pids)
+        return self._ipp is not None and self.pids != [] and not self.dead_ranks()
 
     @property
     def ranks(self) -> list[int]:
@@ -185,15 +194,20 @@ class Cluster:
     def run(self, fn, *args, timeout: float = DEFAULT_TIMEOUT, **kwargs) -> list:
         """Run ``fn(*args, **kwargs)`` on every rank; return ``[result on rank 0, ...]``.
 
-        What the ranks print is shown here, prefixed with the rank.
+        What the ranks print is shown here while they run, prefixed with the rank.
         """
+        __tracebackhide__ = True
+        timeout = check_seconds(timeout)
         self._ensure_running()
-        return self._gather(self._submit(fn, *args, **kwargs), timeout)
+        what = getattr(fn, "__qualname__", None) or repr(fn)
+        return Call(self, self._submit(fn, *args, **kwargs), timeout, what).result()
 
     def execute(self, code: str, timeout: float = DEFAULT_TIMEOUT) -> None:
         """Run source code on every rank, in each rank's persistent namespace (``%%ranks``)."""
+        __tracebackhide__ = True
+        timeout = check_seconds(timeout)
         self._ensure_running()
-        self._gather(self._submit(exec_on_rank, code), timeout)
+        Call(self, self._submit(exec_on_rank, code), timeout, "the %%ranks cell").result()
 
     def push(self, **names) -> None:
         """Copy notebook variables into every rank's namespace."""
@@ -207,61 +221,29 @@ class Cluster:
 
     def _submit(self, fn, *args, **kwargs) -> list:
         for obj in (fn, *args, *kwargs.values()):
-            _ship_module_by_value(obj)
-        source = _source_of(fn)
+            ship_module_by_value(obj)
+        source = source_of(fn)
         return [
             self._view(r).apply_async(call_on_rank, fn, args, kwargs, source) for r in self.ranks
         ]
 
     def _ensure_running(self) -> None:
-        if not self.running:
-            print(f"gas_lab: starting {self.world_size} ranks ...", file=sys.stderr)
-            self.stop()
-            self.start()
-
-    def _gather(self, futures: list, timeout: float, restart: bool = True) -> list:
-        """Wait for every rank; fail fast when one raised, and never wait past ``timeout``."""
-        deadline, first_error = time.monotonic() + timeout, None
-
-        def failed(f) -> bool:
-            return f.ready() and (f.exception() is not None or f.get()[0] == "error")
-
-        while not all(f.ready() for f in futures):
-            now = time.monotonic()
-            if first_error is None and any(failed(f) for f in futures):
-                first_error = now
-            if now > deadline or (first_error is not None and now - first_error > ERROR_GRACE):
-                break
-            time.sleep(0.02)
-        self._print_outputs(futures)
-        ranked = list(zip(self.ranks, futures, strict=True))
-        stalled = [r for r, f in ranked if not f.ready()]
-        errors = {r: error_text(f) for r, f in ranked if failed(f)}
-        if stalled and restart:
-            self.restart()  # a half-finished collective poisons the process group
-        if errors:
-            raise RankError(errors, stalled, restarted=bool(stalled) and restart)
-        if stalled:
-            raise RankStallError(stalled, [r for r in self.ranks if r not in stalled], timeout)
-        return [f.get()[1] for f in futures]
-
-    def _print_outputs(self, futures: list) -> None:
-        for r, f in zip(self.ranks, futures, strict=True):
-            for stream, out in (("stdout", sys.stdout), ("stderr", sys.stderr)):
-                text = getattr(f, stream, "") or ""
-                for line in text.rstrip("\n").splitlines() if text.strip() else []:
-                    if _NOISE.search(line):
-                        continue
-                    print(f"[rank {r}] {line}", file=out)
-
-
-def _kill(pids: list[int]) -> None:
-    import psutil
-
-    procs = [psutil.Process(p) for p in pids if psutil.pid_exists(p)]
-    for p in procs:
-        p.kill()
-    psutil.wait_procs(procs, timeout=10)
+        if self.running:
+            return
+        if self.stopped_by_user:
+            why = "the ranks had been stopped (cluster.stop() or gas_lab.stop_cluster())"
+        elif self._ipp is None:
+            why = "the ranks were not running"
+        else:
+            dead = "; ".join(f"rank {r} {how}" for r, how in self.dead_ranks().items())
+            why = f"a rank had ended ({dead})"
+        print(
+            f"gas_lab: {why}, so {self.world_size} fresh ranks are starting; variables defined on "
+            "the ranks by earlier cells are gone: re-run the cells that defined them.",
+            file=sys.stderr,
+        )
+        self.restart()
+        self.fresh = True
 
 
 _current: Cluster | None = None
@@ -276,9 +258,10 @@ def start_cluster(
     GPU and one rank per GPU (nccl) otherwise. ``device="cpu"`` forces CPU ranks on a GPU
     machine (the course's tests do, so they check the same thing everywhere). Asking for a
     different world size or device, or ``restart=True``, stops the running ranks first, so
-    processes never pile up.
+    processes never pile up; ranks an earlier kernel left behind are ended too.
     """
     global _current
+    world_size = check_world_size(world_size)
     gpus, default_backend = default_world_size()
     if device not in (None, "cpu", "cuda"):
         raise ValueError(f"device={device!r}: use 'cpu', 'cuda' or None (automatic)")
@@ -295,9 +278,16 @@ def start_cluster(
         if (_current.world_size, _current.backend) == (world_size, backend):
             return _current
     if _current is not None:
-        _current.stop()
+        _current._end()
+        _current = None
+    ended = lifetime.end_orphans()
+    if ended:
+        print(f"gas_lab: ended {ended} processes an earlier kernel left running", file=sys.stderr)
+    if build_lock.locks():
+        build_lock.clear_stale_locks(say=lambda m: print(m, file=sys.stderr))
     _current = Cluster(world_size, backend).start()
-    _register_magic(_current)
+    started = _current
+    register_magic(lambda: _current or started, DEFAULT_TIMEOUT)
     return _current
 
 
@@ -310,23 +300,3 @@ def stop_cluster() -> None:
 
 
 atexit.register(stop_cluster)
-
-
-def _register_magic(cluster: Cluster) -> None:
-    """Register ``%%ranks [--timeout S]``: run the cell on every rank of ``cluster``."""
-    try:
-        from IPython import get_ipython
-    except ImportError:
-        return
-    ip = get_ipython()
-    if ip is None:
-        return
-
-    def ranks(line: str, cell: str) -> None:
-        parts = line.split()
-        timeout = (
-            float(parts[parts.index("--timeout") + 1]) if "--timeout" in parts else DEFAULT_TIMEOUT
-        )
-        (_current or cluster).execute(cell, timeout=timeout)
-
-    ip.register_magic_function(ranks, magic_kind="cell", magic_name="ranks")

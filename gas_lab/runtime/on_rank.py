@@ -6,18 +6,92 @@ These functions are sent to the ranks, so they import what they need themselves.
 from __future__ import annotations
 
 
-def setup_rank(rank: int, store_path: str, pg_timeout_s: float) -> dict:
-    """Runs on each notebook rank once: set the torchrun-style variables, join the group."""
+def setup_rank(rank: int, store_path: str, pg_timeout_s: float, tmp: str, cluster_id: str) -> dict:
+    """Runs on each notebook rank once: set the torchrun-style variables, join the group, and
+    prepare what the notebook needs to watch the rank (see the helpers below)."""
     import os
+    import threading
 
     import torch.distributed as dist
 
     from gas_lab.dp import init_from_env
 
     os.environ["RANK"] = os.environ["LOCAL_RANK"] = str(rank)
+    _watch_stack_and_crash(os.path.join(tmp, f"stack-{rank}.txt"), tmp, rank)
+    _end_with_owner(cluster_id)
+    _text_progress_bars()
     # A file store (not a TCP store) so that nothing listens beyond gloo's loopback pairs.
     init_from_env(f"file://{store_path}", pg_timeout_s)
-    return {"rank": dist.get_rank(), "pid": os.getpid(), "backend": dist.get_backend()}
+    return {
+        "rank": dist.get_rank(),
+        "pid": os.getpid(),
+        "backend": dist.get_backend(),
+        "main_thread": threading.main_thread().ident,
+    }
+
+
+_kept_open: list = []  # files faulthandler writes to must stay open for the process's life
+
+
+def _watch_stack_and_crash(stack_path: str, tmp: str, rank: int) -> None:
+    """SIGUSR2 appends every thread's stack to ``stack_path`` (even while blocked in C++, so the
+    notebook can tell a rank waiting in a collective from a busy one), and a crash (SIGSEGV, ...)
+    writes where it happened to ``crash-<rank>.txt``, which the notebook shows."""
+    import faulthandler
+    import os
+    import signal
+
+    stack = open(stack_path, "a")
+    crash = open(os.path.join(tmp, f"crash-{rank}.txt"), "w")
+    _kept_open.extend([stack, crash])
+    faulthandler.register(signal.SIGUSR2, file=stack, all_threads=True, chain=False)
+    faulthandler.enable(file=crash, all_threads=False)
+
+
+def _end_with_owner(cluster_id: str) -> None:
+    """A thread that ends this rank (and what it started) once the notebook kernel is gone, in
+    case the guardian process that normally does it was killed too."""
+    import os
+    import signal
+    import threading
+    import time
+
+    import psutil
+
+    from gas_lab.runtime.lifetime import end_processes, owner_alive
+
+    def watch():
+        while owner_alive(cluster_id):
+            time.sleep(1.0)
+        end_processes(psutil.Process().children(recursive=True))
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="gas_lab-owner-watch", daemon=True).start()
+
+
+def _text_progress_bars() -> None:
+    """Make ``tqdm.auto`` draw text bars on the ranks. A rank runs inside an IPython kernel, so
+    ``tqdm.auto`` would pick its notebook widget, which cannot travel to the notebook; the text
+    bar travels as output and the notebook shows it as one live line."""
+    import sys
+
+    hidden = sys.modules.pop("ipykernel.zmqshell", None)  # what tqdm.auto looks for
+    try:
+        import tqdm.auto  # noqa: F401 (decides its mode once, now)
+    except ImportError:
+        pass
+    finally:
+        if hidden is not None:
+            sys.modules["ipykernel.zmqshell"] = hidden
+
+
+def sequence_number() -> int:
+    """How many collectives this rank has issued on the default process group. Equal on every
+    rank when the group is in step; unequal after an interrupt caught the ranks at different
+    collectives, and then the group cannot be trusted."""
+    import torch.distributed as dist
+
+    return dist.distributed_c10d._get_default_group()._get_sequence_number_for_group()
 
 
 def _remember_source(filename: str, lines: list[str], first_line: int = 1) -> None:
@@ -29,18 +103,22 @@ def _remember_source(filename: str, lines: list[str], first_line: int = 1) -> No
 
 
 def call_on_rank(fn, args, kwargs, source=None):
-    """Runs on a rank: call ``fn`` and turn an exception into plain traceback text.
+    """Runs on a rank: call ``fn``; return ``("ok", pickled result)`` or ``("error", text)``.
 
     Returning the error as a value (instead of letting ipyparallel wrap it) keeps the
-    traceback short and uncoloured: only the rank's own frames, as Python prints them.
+    traceback short and uncoloured: only the rank's own frames, as Python prints them. The
+    result is pickled here so that one that cannot be sent (a generator, a socket) is reported
+    as such, not as a traceback from inside ipyparallel's serializer.
     """
     import traceback
+
+    import cloudpickle
 
     code = getattr(fn, "__code__", None)
     if source and code is not None:
         _remember_source(code.co_filename, *source)
     try:
-        return ("ok", fn(*args, **kwargs))
+        result = fn(*args, **kwargs)
     except BaseException as exc:
         frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename != __file__]
         text = "".join(traceback.format_list(frames))
@@ -49,6 +127,16 @@ def call_on_rank(fn, args, kwargs, source=None):
             "Traceback (most recent call last):\n"
             + text
             + "".join(traceback.format_exception_only(exc)),
+        )
+    try:
+        return ("ok", cloudpickle.dumps(result))
+    except Exception as exc:
+        name = getattr(fn, "__qualname__", None) or repr(fn)
+        return (
+            "unsendable",
+            f"the return value of {name} (a {type(result).__name__}) cannot be sent back to the "
+            f"notebook: {type(exc).__name__}: {exc}. Return plain data (numbers, strings, lists, "
+            "dicts, tensors) instead.",
         )
 
 

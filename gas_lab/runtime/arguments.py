@@ -1,0 +1,78 @@
+"""What the learner passes to the runtime, checked before anything starts: a mistake is one
+line naming the argument and what it must be, not a traceback from deep inside (lesson 00)."""
+
+from __future__ import annotations
+
+import math
+import numbers
+import shlex
+
+try:
+    from IPython.core.error import UsageError  # shown by IPython as one line, no traceback
+except ImportError:  # pragma: no cover (IPython comes with JupyterLab)
+
+    class UsageError(ValueError):
+        pass
+
+
+def check_world_size(world_size) -> int | None:
+    """None (automatic) or a whole number of ranks, at least 1; anything else, a one-line error."""
+    if world_size is None:
+        return None
+    if isinstance(world_size, bool) or not isinstance(world_size, numbers.Integral):
+        raise TypeError(
+            f"start_cluster(world_size={world_size!r}): world_size must be a whole number of "
+            "ranks, such as 2, or None for the default"
+        )
+    if world_size < 1:
+        raise ValueError(f"start_cluster(world_size={world_size}): world_size must be at least 1")
+    return int(world_size)
+
+
+def check_seconds(value, name: str = "timeout") -> float:
+    """A timeout is a positive number of seconds; anything else gets a one-line error."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name}={value!r}: the timeout must be a number of seconds, such as 60")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name}={value!r}: the timeout must be more than 0 seconds")
+    return float(value)
+
+
+USAGE = "%%ranks [--timeout SECONDS]"
+
+try:
+    from IPython.core.error import UsageError  # shown by IPython as one line, no traceback
+except ImportError:  # pragma: no cover (IPython comes with JupyterLab)
+
+    class UsageError(ValueError):
+        pass
+
+
+def parse_ranks_line(line: str, default_timeout: float) -> float:
+    """The timeout a ``%%ranks`` line asks for (``default_timeout`` when it names none)."""
+    try:
+        parts = shlex.split(line)
+    except ValueError as exc:
+        raise UsageError(f"%%ranks {line}: {exc}; use {USAGE}") from None
+    timeout, i = default_timeout, 0
+    while i < len(parts):
+        option = parts[i]
+        if option.startswith("--timeout="):
+            value, i = option.split("=", 1)[1], i + 1
+        elif option == "--timeout":
+            if i + 1 >= len(parts):
+                raise UsageError(
+                    "%%ranks --timeout needs a number of seconds: %%ranks --timeout 300"
+                )
+            value, i = parts[i + 1], i + 2
+        else:
+            raise UsageError(f"%%ranks: unknown option {option!r}; use {USAGE}")
+        try:
+            timeout = float(value)
+        except ValueError:
+            raise UsageError(
+                f"%%ranks --timeout {value}: not a number of seconds; e.g. %%ranks --timeout 300"
+            ) from None
+        if not (math.isfinite(timeout) and timeout > 0):
+            raise UsageError(f"%%ranks --timeout {value}: the timeout must be more than 0 seconds")
+    return timeout

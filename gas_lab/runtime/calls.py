@@ -1,0 +1,184 @@
+"""One call on the ranks, from submission to result: bounded waiting, live output, and errors
+that blame the right thing.
+
+* What the ranks print is shown while they run (:mod:`~gas_lab.runtime.streaming`).
+* A rank that raises ends the call after the others get :data:`ERROR_GRACE` seconds; a rank that
+  dies is reported with its exit code or signal, before the ranks that failed because of it.
+* At the timeout the unfinished ranks are sampled (:mod:`~gas_lab.runtime.rank_state`): ranks
+  waiting in a collective stalled, and the ranks are restarted; a rank still *starting up*
+  (importing, building a C++ op, inside ``deepspeed.initialize``) gets up to
+  :data:`STARTUP_LIMIT` seconds; a rank still computing is stopped with a KeyboardInterrupt.
+* Kernel -> Interrupt stops the work on the ranks the same way; a rank that cannot be stopped
+  (blocked in a collective) gets the ranks restarted. The error says which happened.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import sys
+import time
+
+from gas_lab.runtime import build_lock
+from gas_lab.runtime.rank_errors import (
+    RESTARTED,
+    RankError,
+    RankInterrupt,
+    RankStallError,
+    error_text,
+)
+from gas_lab.runtime.streaming import RankOutput
+
+ERROR_GRACE = 5.0  # after one rank fails, how long the others get to finish before we stop waiting
+STOP_GRACE = 3.0  # how long an interrupted rank gets to stop its work before the ranks restart
+STARTUP_LIMIT = 900.0  # the longest a call waits for ranks that are still starting up
+RESAMPLE = 10.0  # while waiting past the timeout for start-up work, look again this often
+
+
+def _failed(f) -> bool:
+    return f.ready() and (f.exception() is not None or f.get()[0] != "ok")
+
+
+class Call:
+    """Wait for ``futures`` (one per rank of ``cluster``) and turn them into results or an error."""
+
+    def __init__(self, cluster, futures: list, timeout: float, what: str, restart: bool = True):
+        self.cluster, self.futures, self.timeout = cluster, futures, timeout
+        self.what, self.restart = what, restart
+        self.ranks = cluster.ranks
+        self.died: dict[int, str] = {}
+        self.states: dict = {}
+        self.out = RankOutput(self.ranks, cluster.noise)
+
+    def unfinished(self) -> list[int]:
+        return [r for r, f in zip(self.ranks, self.futures, strict=True) if not f.ready()]
+
+    def result(self) -> list:
+        __tracebackhide__ = True
+        try:
+            self._wait()
+        except KeyboardInterrupt:
+            self.out.close(self.futures)
+            if not self.restart:  # at start-up: the caller ends the half-started ranks
+                raise
+            raise self._interrupted() from None
+        self.out.close(self.futures)
+        return self._outcome()
+
+    # -- waiting ------------------------------------------------------------------------------
+    def _wait(self) -> None:
+        start = time.monotonic()
+        deadline, first_bad, next_look, noted = start + self.timeout, None, 0.0, set()
+        while not all(f.ready() for f in self.futures):
+            self.out.pump(self.futures)
+            now = time.monotonic()
+            if now >= next_look:
+                self.died.update(self.cluster.dead_ranks())
+                next_look = now + 0.25
+            if first_bad is None and (self.died or any(map(_failed, self.futures))):
+                first_bad = now
+            if first_bad is not None and now - first_bad > ERROR_GRACE:
+                return
+            if now > deadline:
+                self.states = self.cluster.sample(self.unfinished())
+                starting = {r: s for r, s in self.states.items() if s.starting_up}
+                if not starting or now - start > STARTUP_LIMIT:
+                    return
+                for r, s in starting.items():
+                    if (r, s.kind) not in noted:
+                        noted.add((r, s.kind))
+                        print(
+                            f"gas_lab: rank {r} is still {s.text} after {now - start:.0f} s: "
+                            f"start-up work, so the call waits for it (up to {STARTUP_LIMIT:g} s)",
+                            file=sys.stderr,
+                        )
+                    if s.kind == "build_lock":
+                        build_lock.clear_stale_locks(say=lambda m: print(m, file=sys.stderr))
+                deadline = now + RESAMPLE
+            time.sleep(0.05)
+
+    def _stop_work(self, ranks: list[int]) -> str | None:
+        """Interrupt ``ranks`` and wait for their work to stop. None if it stopped with the
+        process group still in step; otherwise why the ranks had to be restarted."""
+        states = self.states or self.cluster.sample(ranks)
+        stuck = {r: s for r, s in states.items() if r in ranks and s.kind == "collective"}
+        if not stuck:
+            for r in ranks:
+                os.kill(self.cluster.pids[r], signal.SIGINT)  # a KeyboardInterrupt on the rank
+            deadline = time.monotonic() + STOP_GRACE
+            try:
+                while self.unfinished() and time.monotonic() < deadline:
+                    self.out.pump(self.futures)
+                    time.sleep(0.05)
+            except KeyboardInterrupt:
+                pass  # interrupted again: no more waiting, restart
+            self.out.close(self.futures)
+            left = self.unfinished()
+            if not left:
+                counts = self.cluster.collective_counts()
+                if counts is not None and len(set(counts)) == 1:
+                    return None
+                return (
+                    f"the ranks had issued different numbers of collectives ({counts}), so "
+                    "their process group was out of step"
+                )
+            stuck = self.cluster.sample(left)
+        return "; ".join(
+            f"rank {r} was {s.text} and cannot be stopped there" for r, s in stuck.items()
+        )
+
+    def _interrupted(self) -> RankInterrupt:
+        t0 = time.monotonic()
+        ranks = self.unfinished()
+        why = self._stop_work(ranks) if ranks else None
+        if why is not None:
+            self.cluster.restart()
+        seconds = time.monotonic() - t0
+        if why is None:
+            msg = (
+                f"Interrupted: the work on ranks {ranks} stopped after {seconds:.1f} s (each got a "
+                "KeyboardInterrupt); the ranks keep their variables."
+            )
+        else:
+            msg = f"Interrupted: {why}, so the ranks were restarted ({seconds:.1f} s). {RESTARTED}"
+        return RankInterrupt(msg, restarted=why is not None, seconds=seconds)
+
+    # -- the outcome --------------------------------------------------------------------------
+    def _outcome(self) -> list:
+        __tracebackhide__ = True
+        ranked = list(zip(self.ranks, self.futures, strict=True))
+        self.died.update(self.cluster.dead_ranks())
+        errors, unsendable = {}, {}
+        for r, f in ranked:
+            if not _failed(f) or r in self.died:
+                continue
+            kind = "error" if f.exception() is not None else f.get()[0]
+            (unsendable if kind == "unsendable" else errors)[r] = error_text(f)
+        stalled = [r for r, f in ranked if not f.ready() and r not in self.died]
+        if self.died or errors or unsendable:
+            restarted = bool(self.died or stalled) and self.restart
+            crash = {r: self.cluster.crash_report(r) for r in self.died}
+            if restarted:
+                self.cluster.restart()
+            raise RankError(
+                errors,
+                stalled,
+                restarted,
+                died=self.died,
+                unsendable=unsendable,
+                crash={r: t for r, t in crash.items() if t},
+                what=self.what,
+                fresh=self.cluster.fresh,
+            )
+        if stalled:
+            states = self.states or self.cluster.sample(stalled)
+            finished = [r for r in self.ranks if r not in stalled]
+            if not self.restart:  # at start-up: the caller stops the ranks
+                raise RankStallError(stalled, finished, self.timeout, states, restarted=None)
+            why = self._stop_work(stalled)
+            if why is not None:
+                self.cluster.restart()
+            raise RankStallError(stalled, finished, self.timeout, states, why is not None)
+        self.cluster.fresh = False
+        return [pickle.loads(f.get()[1]) for f in self.futures]

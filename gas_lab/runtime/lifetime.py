@@ -1,0 +1,212 @@
+"""Process lifetime: every process the runtime starts ends with the kernel that started it.
+
+A kernel can end in many ways: a clean exit, Kernel -> Restart or Shut Down (a shutdown request,
+then SIGTERM after 2.5 s, then SIGKILL to the kernel's process group after 5 s), a crash or the
+out-of-memory killer. The ranks and the ipyparallel controller run in sessions of their own, so
+none of the signals a kernel receives reaches them. Three layers make sure they end anyway:
+
+* every process of a cluster carries ``GAS_LAB_CLUSTER=<cluster id>`` in its environment, and
+  the cluster id names the kernel that owns it (pid and start time, so a reused pid is no owner);
+* a small *guardian* process (this file run as a script, in a session of its own, so no signal
+  sent to the kernel's group reaches it) waits for the kernel to end, however it ends, and then
+  ends every process carrying the marker;
+* :func:`end_orphans`, called by every ``start_cluster``, ends what an earlier kernel left
+  behind if its guardian was killed too.
+
+This module imports only the standard library and psutil: the guardian runs it as a script.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import psutil
+
+MARKER = "GAS_LAB_CLUSTER"
+TMP_PREFIX = "gas_lab_ranks_"
+_ID = re.compile(r"^gas_lab-(\d+)-(\d+)-")
+
+
+def new_cluster_id(port: int) -> str:
+    """An id naming the owning process: ``gas_lab-<pid>-<start time in ms>-<port>``."""
+    me = psutil.Process()
+    return f"gas_lab-{me.pid}-{int(me.create_time() * 1000)}-{port}"
+
+
+def owner_alive(cluster_id: str) -> bool:
+    """Is the process that started this cluster still running (the same process, not a reuse)?"""
+    m = _ID.match(cluster_id)
+    if m is None:
+        return True  # not ours to judge
+    pid, born_ms = int(m[1]), int(m[2])
+    try:
+        p = psutil.Process(pid)
+        return abs(p.create_time() * 1000 - born_ms) < 1000 and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _marked() -> dict[str, list[psutil.Process]]:
+    """Processes of this user that carry a cluster marker, by cluster id."""
+    found: dict[str, list[psutil.Process]] = {}
+    for p in psutil.process_iter():
+        try:
+            cid = p.environ().get(MARKER)
+        except psutil.Error:
+            continue  # gone, or another user's process
+        if cid:
+            found.setdefault(cid, []).append(p)
+    return found
+
+
+def end_processes(procs: list[psutil.Process], timeout: float = 5.0) -> None:
+    """SIGKILL ``procs`` and their descendants; wait until each is gone or a zombie."""
+    everyone = {}
+    for p in procs:
+        try:
+            for q in [p, *p.children(recursive=True)]:
+                everyone[q.pid] = q
+        except psutil.Error:
+            pass
+    for p in everyone.values():
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    deadline = time.monotonic() + timeout
+    waiting = list(everyone.values())
+    while waiting and time.monotonic() < deadline:
+        _, waiting = psutil.wait_procs(waiting, timeout=0.05)  # reaps our own children
+        waiting = [p for p in waiting if _running(p)]
+
+
+def _running(p: psutil.Process) -> bool:
+    try:
+        return p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def end_cluster(cluster_id: str, tmp: str | None, pids: list[int] = ()) -> None:
+    """End every process of one cluster (marked, or listed in ``pids``) and remove its folder."""
+    procs = _marked().get(cluster_id, [])
+    for pid in pids:
+        try:
+            procs.append(psutil.Process(pid))
+        except psutil.Error:
+            pass
+    end_processes(procs)
+    if tmp:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def end_orphans() -> int:
+    """End the processes and remove the folders of clusters whose kernel is gone; return how many
+    processes were ended. Clusters of running kernels (another notebook's) are left alone."""
+    ended = 0
+    for cid, procs in _marked().items():
+        if cid.startswith("gas_lab-") and not owner_alive(cid):
+            end_processes(procs)
+            ended += len(procs)
+    for folder in glob.glob(os.path.join(tempfile.gettempdir(), TMP_PREFIX + "*")):
+        try:
+            with open(os.path.join(folder, "cluster_id")) as f:
+                cid = f.read().strip()
+        except OSError:
+            continue
+        if not owner_alive(cid):
+            shutil.rmtree(folder, ignore_errors=True)
+    return ended
+
+
+def start_guardian(cluster_id: str, tmp: str) -> subprocess.Popen:
+    """Start the guardian of one cluster. Close its stdin (or end this process) to make it act."""
+    return subprocess.Popen(
+        [sys.executable, os.path.abspath(__file__), cluster_id, tmp],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        start_new_session=True,  # out of reach of the signals sent to the kernel's group
+        env={k: v for k, v in os.environ.items() if k != MARKER},
+    )
+
+
+def stop_guardian(guardian: subprocess.Popen | None) -> None:
+    if guardian is None:
+        return
+    try:
+        guardian.stdin.close()
+        guardian.wait(timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        guardian.kill()
+
+
+def _guard(cluster_id: str, tmp: str) -> None:
+    """The guardian: wait until the owner is gone, then end its cluster.
+
+    End of file on stdin means the owner closed it or died; polling the owner as well covers an
+    owner whose forked children still hold the pipe open."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    while owner_alive(cluster_id):
+        readable, _, _ = select.select([sys.stdin], [], [], 0.25)
+        if readable and not os.read(sys.stdin.fileno(), 4096):
+            break
+    end_cluster(cluster_id, tmp)
+
+
+def _die_with_parent() -> None:
+    """In a child, before exec: get SIGTERM when the parent ends (Linux; elsewhere nothing)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def run_command(args: list[str], timeout: float, **kwargs) -> subprocess.CompletedProcess:
+    """``subprocess.run(args, capture_output=True, text=True, timeout=timeout)``, except that a
+    timeout or an interrupt ends the whole process tree, not only the first process.
+
+    A launcher such as ``torchrun`` starts its workers as children; killing only the launcher
+    (what ``subprocess.run`` does on timeout) would leave the workers running for good. The
+    command runs in a session of its own, gets SIGTERM if this process dies, and on timeout or
+    interrupt gets SIGTERM (so a launcher can stop its workers), then its tree gets SIGKILL.
+    """
+    proc = subprocess.Popen(
+        args,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+        **kwargs,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except BaseException:  # TimeoutExpired, KeyboardInterrupt: the tree goes with it
+        try:
+            tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+        except psutil.Error:
+            tree = []
+        proc.terminate()
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+        end_processes(tree)
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(args, proc.returncode, out, err)
+
+
+if __name__ == "__main__":
+    _guard(sys.argv[1], sys.argv[2])

@@ -1,0 +1,26 @@
+"""The ``%%ranks`` cell magic: run a whole cell on every rank, variables persisting (lesson 00).
+
+``%%ranks`` or ``%%ranks --timeout 300``. A mistake on the magic's line is a one-line error
+naming the option, raised before anything runs on the ranks.
+"""
+
+from __future__ import annotations
+
+from gas_lab.runtime.arguments import parse_ranks_line
+
+
+def register_magic(get_cluster, default_timeout: float) -> None:
+    """Register ``%%ranks`` in the running IPython, running cells on ``get_cluster()``."""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return
+    ip = get_ipython()
+    if ip is None:
+        return
+
+    def ranks(line: str, cell: str) -> None:
+        __tracebackhide__ = True
+        get_cluster().execute(cell, timeout=parse_ranks_line(line, default_timeout))
+
+    ip.register_magic_function(ranks, magic_kind="cell", magic_name="ranks")

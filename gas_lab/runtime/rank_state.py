@@ -1,0 +1,123 @@
+"""What an unfinished rank is doing: waiting in a collective, or busy (importing, building, computing).
+
+A rank that has not answered in time is either *stalled* (waiting in a collective that another
+rank never joins: it will wait forever) or *busy* (importing DeepSpeed, building a C++ op on
+first use, or computing: it will finish). Telling them apart needs the rank's Python stack,
+even while the rank is blocked inside C++ (gloo waits there, holding no Python lock). Each
+rank registers :mod:`faulthandler` on ``SIGUSR2`` at start-up, so a signal makes the
+interpreter's C-level handler append every thread's stack to a file, whatever the rank is
+doing. :func:`sample` sends it and reads the rank's main thread back.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+from dataclasses import dataclass
+
+import psutil
+
+STACK_SIGNAL = signal.SIGUSR2
+_THREAD = re.compile(r"^(?:Current thread|Thread) (0x[0-9a-f]+)", re.M)
+_FRAME = re.compile(r'^\s+File "(.*)", line (\d+) in (.*)$')
+COLLECTIVE_FILES = ("torch/distributed/distributed_c10d.py", "deepspeed/comm/")
+BUILD_FILES = ("torch/utils/cpp_extension.py", "deepspeed/ops/op_builder/")
+COMPILERS = {"ninja", "cc1plus", "cc1", "c++", "g++", "gcc", "cc", "clang", "clang++", "ld"}
+STARTUP = {"importing", "building", "build_lock", "deepspeed_init"}  # busy, and worth waiting for
+
+
+@dataclass
+class RankState:
+    kind: str  # collective, importing, building, build_lock, deepspeed_init, computing, unknown
+    text: str  # for the learner: "waiting in a collective (all_reduce, called from f line 6)"
+
+    @property
+    def starting_up(self) -> bool:
+        return self.kind in STARTUP
+
+
+def _is_user(path: str) -> bool:
+    """The learner's code (the notebook, their files, gas_lab's lessons), not a library's."""
+    if "site-packages" in path or path == "<string>" or path.startswith("<frozen"):
+        return False
+    if "gas_lab/runtime" in path:
+        return False
+    return path.startswith("<") or not path.startswith(os.path.dirname(os.__file__))
+
+
+def _user_frame(frames: list[tuple[str, int, str]]) -> str:
+    """The innermost frame of the learner's own code, as ``fn line N``."""
+    return next((f"{fn} line {line}" for path, line, fn in frames if _is_user(path)), "the runtime")
+
+
+def classify(frames: list[tuple[str, int, str]], children: list[str], cpu: float) -> RankState:
+    """``frames`` innermost first, as (file, line, function)."""
+    where = _user_frame(frames)
+    if any(c in COMPILERS for c in children):
+        return RankState("building", "building a C++ op (ninja and the compiler are running)")
+    for path, _, fn in frames:
+        if "torch/utils/file_baton.py" in path:
+            return RankState("build_lock", "waiting for a C++ op build lock (torch_extensions)")
+        if any(f in path for f in BUILD_FILES):
+            return RankState("building", "building a C++ op for DeepSpeed")
+        if any(f in path for f in COLLECTIVE_FILES) and not fn.startswith("_"):
+            name = next((f for p, _, f in reversed(frames) if COLLECTIVE_FILES[0] in p), fn)
+            return RankState("collective", f"waiting in a collective ({name}, called from {where})")
+        if path.startswith("<frozen importlib"):
+            module, caller = _imported(frames)
+            return RankState("importing", f"importing {module} (from {caller})")
+        if path.endswith("deepspeed/__init__.py") and fn == "initialize":
+            return RankState("deepspeed_init", f"inside deepspeed.initialize (from {where})")
+    return RankState("computing", f"computing in {where} ({cpu:.0f}% CPU)")
+
+
+def _imported(frames) -> tuple[str, str]:
+    """The outermost module being imported, and the learner's line that imports it."""
+    outer_first = list(reversed(frames))
+    first = next(i for i, (p, _, _) in enumerate(outer_first) if p.startswith("<frozen importlib"))
+    caller = _user_frame(list(reversed(outer_first[:first])))
+    for path, _, _ in outer_first[first:]:
+        if not path.startswith("<"):
+            if "site-packages/" in path:
+                return path.split("site-packages/")[1].split("/")[0].removesuffix(".py"), caller
+            name = os.path.basename(path).removesuffix(".py")
+            return (os.path.basename(os.path.dirname(path)) if name == "__init__" else name), caller
+    return "a module", caller
+
+
+def main_thread_frames(dump: str, main_ident: int) -> list[tuple[str, int, str]]:
+    """Frames of the main thread in a faulthandler dump, innermost first."""
+    blocks = _THREAD.split(dump)  # ["", ident, body, ident, body, ...]
+    for ident, body in zip(blocks[1::2], blocks[2::2], strict=False):
+        if int(ident, 16) == main_ident:
+            return [(m[1], int(m[2]), m[3]) for m in map(_FRAME.match, body.splitlines()) if m]
+    return []
+
+
+def sample(pid: int, stack_file: str, main_ident: int, wait: float = 1.0) -> RankState:
+    """Ask rank process ``pid`` for its stack and say what it is doing."""
+    try:
+        proc = psutil.Process(pid)
+        cpu0, t0 = sum(proc.cpu_times()[:2]), time.monotonic()
+        start = os.path.getsize(stack_file)
+        os.kill(pid, STACK_SIGNAL)
+        deadline, size = time.monotonic() + wait, start
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+            new = os.path.getsize(stack_file)
+            if new > start and new == size:
+                break  # written, and no longer growing
+            size = new
+        with open(stack_file) as f:
+            f.seek(start)
+            dump = f.read()
+        cpu = 100 * (sum(proc.cpu_times()[:2]) - cpu0) / max(time.monotonic() - t0, 1e-3)
+        children = [c.name() for c in proc.children(recursive=True)]
+    except (psutil.Error, OSError):
+        return RankState("unknown", "not responding")
+    frames = main_thread_frames(dump, main_ident)
+    if not frames:
+        return RankState("unknown", "no stack received")
+    return classify(frames, children, cpu)

@@ -1,0 +1,76 @@
+"""What the notebook can find out about its ranks from outside: which have died and how, what
+each is doing (:mod:`~gas_lab.runtime.rank_state`), where one crashed, whether their process
+group is in step. Used by :class:`~gas_lab.runtime.calls.Call` when a call goes wrong."""
+
+from __future__ import annotations
+
+import os
+
+from gas_lab.runtime import rank_state
+from gas_lab.runtime.on_rank import sequence_number
+from gas_lab.runtime.rank_errors import exit_text
+
+
+class RankWatch:
+    """Mixed into :class:`~gas_lab.runtime.cluster.Cluster`, which provides ``pids``, ``_tmp``,
+    ``_ipp``, ``_main_threads``, ``ranks`` and ``_view``."""
+
+    def _engine_launchers(self) -> list:
+        if self._ipp is None:
+            return []
+        return [el for es in self._ipp.engines.values() for el in es.launchers.values()]
+
+    def dead_ranks(self) -> dict[int, str]:
+        """Ranks whose process has ended, with how it ended (exit code or signal)."""
+        import psutil
+
+        dead = {}
+        for r, pid in enumerate(self.pids):
+            try:
+                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                    continue
+            except psutil.Error:
+                pass
+            launcher = next((e for e in self._engine_launchers() if e.pid == pid), None)
+            try:  # the launcher's process object keeps the exit status once reaped
+                code = launcher.process.wait(timeout=1) if launcher is not None else None
+            except Exception:
+                code = None
+            dead[r] = exit_text(code)
+        return dead
+
+    def sample(self, ranks: list[int]) -> dict:
+        """What each of ``ranks`` is doing now (:func:`gas_lab.runtime.rank_state.sample`)."""
+        if len(self._main_threads) != len(self.pids):  # still starting: the signal is not set up
+            return {r: rank_state.RankState("unknown", "still starting") for r in ranks}
+        return {
+            r: rank_state.sample(
+                self.pids[r],
+                os.path.join(self._tmp, f"stack-{r}.txt"),
+                self._main_threads[r],
+            )
+            for r in ranks
+        }
+
+    def crash_report(self, rank: int) -> str:
+        """Where a rank that died crashed, as Python's fault handler wrote it (may be empty)."""
+        try:
+            with open(os.path.join(self._tmp, f"crash-{rank}.txt")) as f:
+                lines = f.read().strip().splitlines()
+        except OSError:
+            return ""
+        # Keep the error and the learner's frames: stop where the runtime called their code.
+        kept = []
+        for line in lines:
+            if "gas_lab/runtime/" in line or line.startswith("Extension modules"):
+                break
+            kept.append(line)
+        return "\n".join(kept).strip()
+
+    def collective_counts(self) -> list[int] | None:
+        """Each rank's count of collectives issued on the default group (None if unknown)."""
+        try:
+            futures = [self._view(r).apply_async(sequence_number) for r in self.ranks]
+            return [f.get(timeout=10) for f in futures]
+        except Exception:
+            return None

@@ -1,0 +1,72 @@
+"""Stale build locks (issue 14, part 5): a lock a live build holds is left alone; one that no
+process holds is found, named and removed, also while a rank waits on it."""
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from gas_lab.runtime import build_lock
+
+_HOLD = "import os, sys, time\nfd = os.open(sys.argv[1], os.O_CREAT | os.O_EXCL)\nprint(1, flush=True)\ntime.sleep(120)\n"
+
+
+@pytest.fixture
+def ext_root(tmp_path, monkeypatch):
+    """A torch_extensions folder of our own (never the machine's real cache)."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    (tmp_path / "py311_cpu" / "some_op").mkdir(parents=True)
+    return tmp_path
+
+
+def test_a_lock_a_live_build_holds_is_not_stale_until_the_build_dies(ext_root):
+    lock = ext_root / "py311_cpu" / "some_op" / "lock"
+    holder = subprocess.Popen(  # creates and keeps the lock open, as torch's FileBaton does
+        [sys.executable, "-c", _HOLD, str(lock)], stdout=subprocess.PIPE, text=True
+    )
+    holder.stdout.readline()
+    try:
+        assert build_lock.locks() == [str(lock)]
+        assert [p.pid for p in build_lock.holders(str(lock))] == [holder.pid]
+        assert build_lock.stale_locks() == [] and build_lock.clear_stale_locks() == []
+        assert lock.exists()
+    finally:
+        holder.kill()  # a build killed part-way: the lock stays behind
+        holder.wait()
+    said = []
+    assert build_lock.clear_stale_locks(say=said.append) == [str(lock)]
+    assert not lock.exists()
+    assert said and "removed a stale build lock" in said[0] and str(lock) in said[0]
+
+
+def test_a_compiler_working_in_the_folder_counts_as_a_live_build(ext_root):
+    folder = ext_root / "py311_cpu" / "some_op"
+    (folder / "lock").touch()  # nobody has it open, but ninja still runs there
+    ninja = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], cwd=folder)
+    try:
+        time.sleep(0.3)
+        assert build_lock.stale_locks() == []
+    finally:
+        ninja.kill()
+        ninja.wait()
+    assert build_lock.stale_locks() == [str(folder / "lock")]
+
+
+def _wait_for_build(lock):
+    from torch.utils.file_baton import FileBaton
+
+    FileBaton(lock).wait()  # what a rank does while another process builds an op
+    return "built"
+
+
+@pytest.mark.ranks
+def test_a_rank_waiting_on_a_stale_lock_is_freed(cluster, ext_root, capsys):
+    lock = ext_root / "py311_cpu" / "some_op" / "lock"
+    lock.touch()
+    t0 = time.monotonic()
+    assert cluster.run(_wait_for_build, str(lock), timeout=2) == ["built", "built"]
+    assert time.monotonic() - t0 < 30 and not lock.exists()
+    err = capsys.readouterr().err
+    assert "is still waiting for a C++ op build lock" in err
+    assert "removed a stale build lock (less than a minute old; no process held it)" in err

@@ -1,0 +1,253 @@
+"""The runtime driven through a real Jupyter kernel, as JupyterLab drives it (jupyter_client).
+
+Kernel -> Restart / Shut Down / Interrupt, a killed kernel, output while a cell runs, and the
+messages a learner reads. Every row of issue 14's table: zero processes left within seconds.
+"""
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+pytestmark = pytest.mark.ranks
+ROOT = Path(__file__).resolve().parents[1]
+GONE_WITHIN = 5.0  # seconds after the kernel is restarted, shut down or killed
+
+
+class Kernel:
+    """A real IPython kernel (what JupyterLab starts), and the messages each cell sends back."""
+
+    def __init__(self):
+        from jupyter_client import KernelManager
+
+        self.km = KernelManager(kernel_name="python3")
+        self.km.start_kernel(cwd=str(ROOT), env=os.environ | {"DS_ACCELERATOR": "cpu"})
+        self.kc = self.km.client()
+        self.kc.start_channels()
+        self.kc.wait_for_ready(timeout=120)
+
+    @property
+    def pid(self) -> int:
+        return self.km.provisioner.process.pid
+
+    def submit(self, code: str) -> str:
+        return self.kc.execute(code)
+
+    def collect(self, msg_id: str, timeout: float = 300, interrupt_after: float | None = None):
+        """(seconds, message) for every output of cell ``msg_id`` until it ends, and its reply."""
+        t0, interrupted, out = time.monotonic(), None, []
+        while True:
+            if interrupt_after is not None and interrupted is None:
+                if time.monotonic() - t0 > interrupt_after:
+                    self.km.interrupt_kernel()
+                    interrupted = time.monotonic() - t0
+            try:
+                msg = self.kc.get_iopub_msg(timeout=0.1)
+            except Exception:  # queue.Empty
+                assert time.monotonic() - t0 < timeout, f"cell still running after {timeout} s"
+                continue
+            if msg["parent_header"].get("msg_id") != msg_id:
+                continue
+            out.append((time.monotonic() - t0, msg))
+            if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+                break
+        reply = self.kc.get_shell_msg(timeout=30)["content"]
+        return out, reply, interrupted
+
+    def run(self, code: str, **kw):
+        return self.collect(self.submit(code), **kw)
+
+    def close(self):
+        self.kc.stop_channels()
+        if self.km.is_alive():
+            self.km.shutdown_kernel(now=True)
+
+
+def text_of(messages, kind=("stream",)) -> str:
+    parts = []
+    for _, m in messages:
+        if m["msg_type"] in kind:
+            c = m["content"]
+            parts.append(c.get("text") or c.get("data", {}).get("text/plain", ""))
+    return "".join(parts)
+
+
+START = "import gas_lab, os, time\nc = gas_lab.start_cluster(world_size=2, device='cpu')"
+
+
+def _still_running(procs) -> list:
+    out = []
+    for p in procs:
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+        except psutil.Error:
+            pass
+    return out
+
+
+CASES = {
+    "restart, idle": (False, lambda k: k.km.restart_kernel(now=False)),
+    "restart, busy": (True, lambda k: k.km.restart_kernel(now=False)),
+    "restart now": (False, lambda k: k.km.restart_kernel(now=True)),
+    "shut down now, busy": (True, lambda k: k.km.shutdown_kernel(now=True)),
+    "kernel killed": (True, lambda k: os.kill(k.pid, signal.SIGKILL)),
+    "shut down, idle": (False, lambda k: k.km.shutdown_kernel(now=False)),
+    "shut down, busy": (True, lambda k: k.km.shutdown_kernel(now=False)),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_no_process_outlives_its_kernel(case):
+    busy, action = CASES[case]
+    k = Kernel()
+    try:
+        _, reply, _ = k.run(START + "\nprint(c._tmp)")
+        assert reply["status"] == "ok", reply
+        procs = psutil.Process(k.pid).children(recursive=True)
+        folder = next(f for f in Path("/tmp").glob("gas_lab_ranks_*") if _owned_by(f, k.pid))
+        assert len(procs) >= 3 * 2 + 1  # controller(s), 2 engines + nannies, the guardian
+        if busy:
+            k.submit("c.run(time.sleep, 60)")
+            time.sleep(2)
+        t0 = time.monotonic()
+        action(k)
+        while _still_running(procs) and time.monotonic() - t0 < GONE_WITHIN + 10:
+            time.sleep(0.1)
+        gone_after = time.monotonic() - t0
+        assert _still_running(procs) == [], f"{case}: processes left after {gone_after:.1f} s"
+        assert gone_after < GONE_WITHIN, f"{case}: took {gone_after:.1f} s"
+        deadline = time.monotonic() + 5
+        while folder.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not folder.exists()
+    finally:
+        k.close()
+
+
+def _owned_by(folder: Path, pid: int) -> bool:
+    try:
+        return (folder / "cluster_id").read_text().startswith(f"gas_lab-{pid}-")
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    k = Kernel()
+    _, reply, _ = k.run(START)
+    assert reply["status"] == "ok", reply
+    yield k
+    k.close()
+
+
+SPIN = """
+def spin(seconds):
+    t = time.time()
+    while time.time() - t < seconds:
+        pass
+    return "finished"
+"""
+
+
+def test_interrupt_stops_the_work_and_keeps_the_ranks(kernel):
+    kernel.run(SPIN)
+    _, reply, _ = kernel.run("pids = c.pids\nc.run(lambda: os.environ.__setitem__('KEPT', '1'))")
+    assert reply["status"] == "ok"
+    msgs, reply, at = kernel.run("c.run(spin, 30)", interrupt_after=3)
+    ended = msgs[-1][0] - at
+    assert reply["status"] == "error" and reply["ename"] == "RankInterrupt", reply
+    assert "stopped" in reply["evalue"] and "keep their variables" in reply["evalue"]
+    assert ended < 5, f"the cell ended {ended:.1f} s after the interrupt"
+    msgs, reply, _ = kernel.run("assert c.pids == pids\nprint(c.run(os.getenv, 'KEPT'))")
+    assert reply["status"] == "ok" and "['1', '1']" in text_of(msgs)
+    assert msgs[-1][0] < 3, "the next call waited for work the interrupt should have stopped"
+    print(
+        f"interrupt while computing: cell ended {ended:.2f} s after; next call {msgs[-1][0]:.2f} s"
+    )
+
+
+LONELY = """
+def lonely():
+    import torch, torch.distributed as dist
+    if dist.get_rank() == 0:
+        dist.all_reduce(torch.ones(1))  # rank 1 never joins
+    return "returned"
+"""
+
+
+def test_interrupt_in_a_collective_restarts_the_ranks_and_says_so(kernel):
+    kernel.run(LONELY + "\npids = c.pids")
+    msgs, reply, at = kernel.run("c.run(lonely)", interrupt_after=3)
+    ended = msgs[-1][0] - at
+    assert reply["status"] == "error" and reply["ename"] == "RankInterrupt", reply
+    assert "rank 0 was waiting in a collective (all_reduce" in reply["evalue"]
+    assert "restarted" in reply["evalue"]
+    assert ended < 40, f"the cell ended {ended:.1f} s after the interrupt"
+    msgs, reply, _ = kernel.run("assert c.pids != pids\nprint(c.run(os.getpid) == c.pids)")
+    assert reply["status"] == "ok" and "True" in text_of(msgs)
+    assert msgs[-1][0] < 3, "the next call should not pay for the stuck collective"
+    print(
+        f"interrupt in a collective: cell ended {ended:.2f} s after; next call {msgs[-1][0]:.2f} s"
+    )
+
+
+LIVE = """%%ranks
+import time
+import torch.distributed as dist
+from tqdm.auto import tqdm
+
+for step in range(6):
+    print(f"step {step}")
+    time.sleep(0.5)
+if dist.get_rank() == 0:
+    for _ in tqdm(range(30), desc="train"):
+        time.sleep(0.1)
+"""
+
+
+def test_output_arrives_while_the_cell_runs_and_a_bar_is_one_live_line(kernel):
+    msgs, reply, _ = kernel.run(LIVE)
+    assert reply["status"] == "ok", reply
+    end = msgs[-1][0]
+    first = next(t for t, m in msgs if "[rank 0] step 0" in text_of([(t, m)]))
+    assert end - first > 2.0, f"the first line came {end - first:.1f} s before the end"
+    streamed = text_of(msgs)
+    assert "[rank 1] step 5" in streamed and "%|" not in streamed  # no bar lines as text
+    bars = [m for _, m in msgs if m["msg_type"] in ("display_data", "update_display_data")]
+    assert bars and all("[rank 0] train" in text_of([(0, m)], kind=(m["msg_type"],)) for m in bars)
+    updates = [m for m in bars if m["msg_type"] == "update_display_data"]
+    assert len(updates) >= 3  # it moved while the cell ran, in place
+    assert "100%" in text_of([(0, updates[-1])], kind=("update_display_data",))
+
+
+@pytest.mark.parametrize(
+    "line, says",
+    [
+        ("--timeout", "%%ranks --timeout needs a number of seconds"),
+        ("--timeout abc", "%%ranks --timeout abc: not a number of seconds"),
+        ("--timeout 0", "%%ranks --timeout 0: the timeout must be more than 0 seconds"),
+        ("--timeout -1", "%%ranks --timeout -1: the timeout must be more than 0 seconds"),
+        ("--tmeout 5", "%%ranks: unknown option '--tmeout'"),
+    ],
+)
+def test_a_bad_ranks_line_is_one_line_naming_the_option(kernel, line, says):
+    msgs, reply, _ = kernel.run(f"%%ranks {line}\nprint('the cell ran')")
+    assert reply["status"] == "error" and reply["ename"] == "UsageError", reply
+    assert reply["evalue"].startswith(says) and "\n" not in reply["evalue"]
+    assert "the cell ran" not in text_of(msgs)  # refused before anything ran on the ranks
+
+
+def test_after_stop_a_ranks_cell_says_the_ranks_are_new(kernel):
+    kernel.run("%%ranks\nmine = 1")
+    msgs, reply, _ = kernel.run("c.stop()")
+    assert reply["status"] == "ok"
+    msgs, reply, _ = kernel.run("%%ranks\nprint(mine)")
+    assert "fresh ranks are starting; variables defined on the ranks by earlier cells are gone" in (
+        text_of(msgs)
+    )
+    assert reply["ename"] == "RankError" and "NameError" in reply["evalue"]
+    assert "started anew for this call" in reply["evalue"]

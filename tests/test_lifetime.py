@@ -1,0 +1,108 @@
+"""Process lifetime (issue 14, part 1) without a kernel: a failed start, the sweep of what an
+earlier kernel left, the guardian alone, and a script whose launcher times out."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from gas_lab.runtime import lifetime
+from gas_lab.runtime.cluster import Cluster, RankError
+
+
+def _marked(cluster_id: str) -> list[psutil.Process]:
+    return [p for p in lifetime._marked().get(cluster_id, []) if lifetime._running(p)]
+
+
+@pytest.mark.ranks
+def test_a_failed_start_leaves_no_process_and_no_folder():
+    c = Cluster(2, "gloo", pg_timeout="not a number")  # every rank fails to join the group
+    with pytest.raises(RankError, match="rank 0 raised TypeError"):
+        c.start()
+    assert _marked(c.cluster_id) == [] and not os.path.exists(c._tmp)
+    assert c._guardian is None
+
+
+_ORPHANS = """
+import gas_lab, json, sys
+c = gas_lab.start_cluster(world_size=2, device="cpu")
+print(json.dumps({"id": c.cluster_id, "guardian": c._guardian.pid, "tmp": c._tmp}), flush=True)
+sys.stdin.read()
+"""
+
+
+@pytest.mark.ranks
+def test_a_new_start_ends_what_a_dead_kernel_and_its_guardian_left():
+    """The last layer: kernel and guardian both killed; the ranks end themselves, the sweep
+    every start_cluster runs ends the controller and removes the folder."""
+    import json
+
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _ORPHANS], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    info = json.loads(proc.stdout.readline())
+    left = _marked(info["id"])
+    assert len(left) >= 5
+    os.kill(info["guardian"], signal.SIGKILL)
+    proc.kill()
+    proc.wait()
+    time.sleep(3)  # each rank's own watch thread notices within a second
+    assert lifetime.end_orphans() > 0  # the controller had no one to end it
+    assert _marked(info["id"]) == [] and not os.path.exists(info["tmp"])
+
+
+def test_the_guardian_ends_marked_processes_when_its_owner_dies(tmp_path):
+    """A stand-in owner starts the guardian and a marked sleeper, then is killed."""
+    owner = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import os, subprocess, sys, time\n"
+            "from gas_lab.runtime import lifetime\n"
+            "cid = lifetime.new_cluster_id(1)\n"
+            f"open({str(tmp_path / 'cluster_id')!r}, 'w').write(cid)\n"
+            f"g = lifetime.start_guardian(cid, {str(tmp_path)!r})\n"
+            "s = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'],\n"
+            "                     env=os.environ | {lifetime.MARKER: cid}, start_new_session=True)\n"
+            "print(g.pid, s.pid, flush=True)\n"
+            "time.sleep(120)\n",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    guardian, sleeper = map(int, owner.stdout.readline().split())
+    owner.kill()
+    owner.wait()
+    t0 = time.monotonic()
+    while (
+        psutil.pid_exists(sleeper) or psutil.pid_exists(guardian)
+    ) and time.monotonic() - t0 < 10:
+        time.sleep(0.1)
+    assert not psutil.pid_exists(sleeper) and not psutil.pid_exists(guardian)
+    assert time.monotonic() - t0 < 3 and not tmp_path.exists()
+
+
+_LAUNCHER = """
+import subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"],
+                         start_new_session=True)  # what torchrun does with its workers
+open(sys.argv[1], "w").write(str(child.pid))
+time.sleep(120)
+"""
+
+
+def test_a_timed_out_command_takes_its_children_with_it(tmp_path):
+    pid_file = tmp_path / "child.pid"
+    with pytest.raises(subprocess.TimeoutExpired):
+        lifetime.run_command([sys.executable, "-c", _LAUNCHER, str(pid_file)], timeout=3)
+    child = int(pid_file.read_text())
+    assert not psutil.pid_exists(child) or psutil.Process(child).status() == "zombie"
+
+
+def test_run_command_returns_like_subprocess_run():
+    done = lifetime.run_command([sys.executable, "-c", "print('hi')"], timeout=60)
+    assert done.returncode == 0 and done.stdout == "hi\n"
