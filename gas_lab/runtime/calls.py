@@ -21,13 +21,7 @@ import sys
 import time
 
 from gas_lab.runtime import build_lock
-from gas_lab.runtime.rank_errors import (
-    RESTARTED,
-    RankError,
-    RankInterrupt,
-    RankStallError,
-    error_text,
-)
+from gas_lab.runtime.rank_errors import RankError, RankInterrupt, RankStallError, error_text
 from gas_lab.runtime.streaming import RankOutput
 
 ERROR_GRACE = 5.0  # after one rank fails, how long the others get to finish before we stop waiting
@@ -141,7 +135,10 @@ class Call:
                 "KeyboardInterrupt); the ranks keep their variables."
             )
         else:
-            msg = f"Interrupted: {why}, so the ranks were restarted ({seconds:.1f} s). {RESTARTED}"
+            msg = (
+                f"Interrupted: {why}, so the ranks were restarted ({seconds:.1f} s); variables on "
+                "the ranks are lost."
+            )
         return RankInterrupt(msg, restarted=why is not None, seconds=seconds)
 
     # -- the outcome --------------------------------------------------------------------------
