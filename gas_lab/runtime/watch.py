@@ -31,13 +31,30 @@ class RankWatch:
                     continue
             except psutil.Error:
                 pass
-            launcher = next((e for e in self._engine_launchers() if e.pid == pid), None)
-            try:  # the launcher's process object keeps the exit status once reaped
-                code = launcher.process.wait(timeout=1) if launcher is not None else None
-            except Exception:
-                code = None
-            dead[r] = exit_text(code)
+            dead[r] = exit_text(self._exit_code(pid))
         return dead
+
+    def _exit_code(self, pid: int, wait: float = 2.0):
+        """How rank process ``pid`` ended. It is this process's child, and ipyparallel's launcher
+        thread reaps it (a second waiter would race it); psutil keeps the status it got."""
+        import time
+
+        launcher = next((e for e in self._engine_launchers() if e.pid == pid), None)
+        if launcher is None:
+            return None
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            code = getattr(launcher.process, "_exitcode", None)
+            if isinstance(code, int):
+                return code
+            waiter = getattr(launcher, "_wait_thread", None)
+            if waiter is None or not waiter.is_alive():
+                try:
+                    return launcher.process.wait(timeout=0.1)  # no one else is waiting
+                except Exception:
+                    return None
+            time.sleep(0.02)
+        return None
 
     def sample(self, ranks: list[int]) -> dict:
         """What each of ``ranks`` is doing now (:func:`gas_lab.runtime.rank_state.sample`)."""
