@@ -5,11 +5,16 @@ says so; a busy rank is not called stalled; start-up work (imports, C++ builds) 
 bad arguments get one line naming the argument; huge output is capped with a note.
 """
 
+import json
+import os
+import sys
+
 import psutil
 import pytest
 
 import gas_lab
 from gas_lab.runtime.cluster import RankError, RankStallError
+from gas_lab.runtime.lifetime import run_command
 from gas_lab.runtime.streaming import OUTPUT_LIMIT
 
 pytestmark = pytest.mark.ranks
@@ -117,6 +122,35 @@ def test_start_up_work_gets_the_time_it_needs(cluster, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "is still importing gas_lab_slow_module (from _import_slow line" in err
     assert "start-up work, so the call waits for it" in err
+
+
+_COLD_START = """
+import json, os, sys, time
+os.environ["TORCH_EXTENSIONS_DIR"] = sys.argv[1]  # an empty cache: DeepSpeed builds its op
+import gas_lab
+from gas_lab.lessons import hello
+c = gas_lab.start_cluster(world_size=2, device="cpu")
+t = time.time()
+out = c.run(hello.train_tiny_deepspeed, 1, timeout=3)
+same = bool((out[0]["params"] == out[1]["params"]).all())
+print(json.dumps({"seconds": time.time() - t, "same": same}))
+gas_lab.stop_cluster()
+"""
+
+
+def test_a_first_deepspeed_start_is_start_up_work_not_a_stall(tmp_path):
+    """Imports and the JIT build of DeepSpeed's op outlast a short timeout: not a stall."""
+    proc = run_command(
+        [sys.executable, "-c", _COLD_START, str(tmp_path)],
+        timeout=900,
+        env=os.environ | {"DS_ACCELERATOR": "cpu"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["same"] and result["seconds"] > 3
+    assert "start-up work, so the call waits for it" in proc.stderr
+    assert "stalled" not in proc.stderr and os.listdir(tmp_path)  # built there, cold
+    print(f"cold DeepSpeed start with timeout=3: {result['seconds']:.1f} s")
 
 
 def _print_a_lot(lines):
