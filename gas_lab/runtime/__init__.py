@@ -2,5 +2,13 @@
 
 * :mod:`~gas_lab.runtime.cluster`: :func:`start_cluster`, ``cluster.run(fn)``, ``%%ranks``.
 * :mod:`~gas_lab.runtime.on_rank`: what runs inside each rank process.
-* :mod:`~gas_lab.runtime.rank_errors`: the errors a failed or stalled rank raises here.
+* :mod:`~gas_lab.runtime.calls`: one call on the ranks: bounded waits, interrupts, the outcome.
+* :mod:`~gas_lab.runtime.rank_errors`: the errors a failed, stalled or interrupted call raises.
+* :mod:`~gas_lab.runtime.rank_state`, :mod:`~gas_lab.runtime.watch`: what an unfinished rank is
+  doing (in a collective, or busy), which rank died and how.
+* :mod:`~gas_lab.runtime.streaming`: rank output in the cell while the ranks run.
+* :mod:`~gas_lab.runtime.lifetime`: every process ends with the kernel; ``run_command``.
+* :mod:`~gas_lab.runtime.build_lock`: stale C++ build locks that make DeepSpeed wait forever.
+* :mod:`~gas_lab.runtime.arguments`, :mod:`~gas_lab.runtime.magic`,
+  :mod:`~gas_lab.runtime.sending`: argument checks, ``%%ranks``, what travels with a function.
 """
