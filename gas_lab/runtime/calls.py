@@ -129,7 +129,9 @@ class Call:
         if why is not None:
             self.cluster.restart()
         seconds = time.monotonic() - t0
-        if why is None:
+        if not ranks:
+            msg = "Interrupted: the ranks had just finished; their results were dropped."
+        elif why is None:
             msg = (
                 f"Interrupted: the work on ranks {ranks} stopped after {seconds:.1f} s (each got a "
                 "KeyboardInterrupt); the ranks keep their variables."

@@ -106,8 +106,9 @@ class RankStallError(TimeoutError):
             ]
         else:
             lines = [
-                f"ranks {stalled} did not finish within {timeout:g} s {done}, and not because "
-                f"of a collective: {doing}.",
+                f"ranks {stalled} did not finish within {timeout:g} s {done}, but "
+                f"{_ranks(busy)} {'was' if len(busy) == 1 else 'were'} busy, not stalled in a "
+                f"collective: {doing}.",
                 "Give long work more time: cluster.run(fn, timeout=600) or %%ranks --timeout 600.",
             ]
         kept = "The work was stopped; the ranks keep their variables."
