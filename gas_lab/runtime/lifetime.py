@@ -143,7 +143,9 @@ def stop_guardian(guardian: subprocess.Popen | None) -> None:
     if guardian is None:
         return
     try:
-        guardian.stdin.close()
+        guardian.stdin.close()  # end of file: the guardian ends what is left, and exits
+        if os.name != "posix":
+            guardian.terminate()  # it cannot watch the pipe there
         guardian.wait(timeout=10)
     except (OSError, subprocess.TimeoutExpired):
         guardian.kill()
@@ -156,6 +158,9 @@ def _guard(cluster_id: str, tmp: str) -> None:
     owner whose forked children still hold the pipe open."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     while owner_alive(cluster_id):
+        if os.name != "posix":  # select() takes only sockets there: poll the owner alone
+            time.sleep(0.25)
+            continue
         readable, _, _ = select.select([sys.stdin], [], [], 0.25)
         if readable and not os.read(sys.stdin.fileno(), 4096):
             break

@@ -44,7 +44,8 @@ def _watch_stack_and_crash(stack_path: str, tmp: str, rank: int) -> None:
     stack = open(stack_path, "a")
     crash = open(os.path.join(tmp, f"crash-{rank}.txt"), "w")
     _kept_open.extend([stack, crash])
-    faulthandler.register(signal.SIGUSR2, file=stack, all_threads=True, chain=False)
+    if hasattr(signal, "SIGUSR2"):  # POSIX only
+        faulthandler.register(signal.SIGUSR2, file=stack, all_threads=True, chain=False)
     faulthandler.enable(file=crash, all_threads=False)
 
 

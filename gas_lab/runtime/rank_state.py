@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import psutil
 
-STACK_SIGNAL = signal.SIGUSR2
+STACK_SIGNAL = getattr(signal, "SIGUSR2", None)  # POSIX; elsewhere ranks cannot be sampled
 _THREAD = re.compile(r"^(?:Current thread|Thread) (0x[0-9a-f]+)", re.M)
 _FRAME = re.compile(r'^\s+File "(.*)", line (\d+) in (.*)$')
 COLLECTIVE_FILES = ("torch/distributed/distributed_c10d.py", "deepspeed/comm/")
@@ -98,6 +98,8 @@ def main_thread_frames(dump: str, main_ident: int) -> list[tuple[str, int, str]]
 
 def sample(pid: int, stack_file: str, main_ident: int, wait: float = 1.0) -> RankState:
     """Ask rank process ``pid`` for its stack and say what it is doing."""
+    if STACK_SIGNAL is None:
+        return RankState("unknown", "not sampled on this system")
     try:
         proc = psutil.Process(pid)
         cpu0, t0 = sum(proc.cpu_times()[:2]), time.monotonic()
