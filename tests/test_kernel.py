@@ -6,6 +6,7 @@ messages a learner reads. Every row of issue 14's table: zero processes left wit
 
 import os
 import signal
+import tempfile
 import time
 from pathlib import Path
 
@@ -108,7 +109,8 @@ def test_no_process_outlives_its_kernel(case):
         _, reply, _ = k.run(START + "\nprint(c._tmp)")
         assert reply["status"] == "ok", reply
         procs = psutil.Process(k.pid).children(recursive=True)
-        folder = next(f for f in Path("/tmp").glob("gas_lab_ranks_*") if _owned_by(f, k.pid))
+        folders = Path(tempfile.gettempdir()).glob("gas_lab_ranks_*")
+        folder = next(f for f in folders if _owned_by(f, k.pid))
         assert len(procs) >= 3 * 2 + 1  # controller(s), 2 engines + nannies, the guardian
         if busy:
             k.submit("c.run(time.sleep, 60)")
