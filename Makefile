@@ -51,7 +51,7 @@ course: $(STAMP)  ## run every notebook headless into build/course, print second
 
 docs: $(STAMP)  ## the docs site in build/html, from the executed notebooks, warnings are errors
 	test -f $(EXECUTED)/00_setup.ipynb || $(MAKE) --no-print-directory notebooks
-	rm -rf docs/lessons && mkdir -p docs/lessons && cp $(EXECUTED)/[0-9][0-9]_*.ipynb docs/lessons/
+	rm -rf build/html docs/lessons && mkdir -p docs/lessons && cp $(EXECUTED)/[0-9][0-9]_*.ipynb docs/lessons/
 	$(BIN)/sphinx-build -W --keep-going -q -b html docs build/html
 	@echo "docs: open build/html/index.html"
 
