@@ -26,8 +26,11 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev,docs]'
 	touch $(STAMP)
 
+# The course's JupyterLab settings: lab/overrides.json turns off the "official Jupyter news?"
+# toast (and the update check) that would greet every learner.
 lab: $(STAMP)  ## the course: JupyterLab on tutorials/
-	$(BIN)/jupyter lab --ip 127.0.0.1 --notebook-dir tutorials $(ROOT_FLAG)
+	$(BIN)/jupyter lab --ip 127.0.0.1 --notebook-dir tutorials \
+	  --LabApp.app_settings_dir=$(CURDIR)/lab $(ROOT_FLAG)
 
 test: lint $(STAMP)  ## every test: unit + 2-rank, every notebook (nbmake), ruff, the docs site
 	rm -rf $(EXECUTED) && mkdir -p $(EXECUTED) && cp -r tutorials/. $(EXECUTED)/
@@ -51,7 +54,7 @@ course: $(STAMP)  ## run every notebook headless into build/course, print second
 
 docs: $(STAMP)  ## the docs site in build/html, from the executed notebooks, warnings are errors
 	test -f $(EXECUTED)/00_setup.ipynb || $(MAKE) --no-print-directory notebooks
-	rm -rf docs/lessons && mkdir -p docs/lessons && cp $(EXECUTED)/[0-9][0-9]_*.ipynb docs/lessons/
+	rm -rf build/html docs/lessons && mkdir -p docs/lessons && cp $(EXECUTED)/[0-9][0-9]_*.ipynb docs/lessons/
 	$(BIN)/sphinx-build -W --keep-going -q -b html docs build/html
 	@echo "docs: open build/html/index.html"
 

@@ -2,7 +2,9 @@
 
 Every function takes plain numbers (lists, dicts of lists), draws on ``ax`` if given or on a
 new figure, and returns the figure, so a notebook cell shows it and a test can inspect it.
-Errors go on a log axis; an exact zero is drawn at ``floor`` so it stays visible.
+Errors go on a log axis; an exact zero is drawn at ``floor`` so it stays visible. Text uses the
+rc sizes, never smaller ones: tutorials/matplotlibrc sets them so that a figure stays readable
+on a projector and on the docs site (tests/test_docs_site.py measures it).
 """
 
 from __future__ import annotations
@@ -12,6 +14,9 @@ from collections.abc import Mapping, Sequence
 import matplotlib.pyplot as plt
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
+
+#: Where an exact zero is drawn on a log axis.
+FLOOR = 1e-9
 
 #: One colour per normalization, so every lesson draws them the same way.
 COLOURS = {
@@ -38,7 +43,7 @@ def plot_errors(
     ax: Axes | None = None,
     title: str | None = None,
     highlight: str | None = None,
-    floor: float = 1e-9,
+    floor: float = FLOOR,
 ) -> Figure:
     """One line per series of errors against ``xs``, on a log y axis.
 
@@ -60,7 +65,7 @@ def plot_errors(
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.axhline(1e-5, color="grey", linestyle=":", linewidth=1, label="float32 noise below")
-    ax.legend(fontsize="small")
+    ax.legend()
     if title:
         ax.set_title(title)
     fig.tight_layout()
@@ -89,7 +94,7 @@ def plot_loss_curves(
         ax.set_yscale("log")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("full-batch loss")
-    ax.legend(fontsize="small")
+    ax.legend()
     if title:
         ax.set_title(title)
     fig.tight_layout()

@@ -1,12 +1,21 @@
-"""ipywidgets explorers for the lessons.
+"""ipywidgets explorers for the lessons (lesson 01's accumulation explorer).
 
 Each explorer is a thin shell: the numbers come from a plain function defined here, which has
-its own test (a test cannot move a slider; nbmake cannot either).
+its own test (a test cannot move a slider; nbmake cannot either). The explorer computes each
+spread of lengths once and keeps it, so moving a control only redraws. Displayed, it also
+carries a static picture of itself (text/html), which is what the docs site and any viewer
+without a kernel show; JupyterLab shows the live widget.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import html
+import io
+from collections.abc import Iterator, Sequence
+
+import ipywidgets as w
+import torch
 
 from gas_lab.accumulate import (
     NORMALIZATIONS,
@@ -19,6 +28,18 @@ from gas_lab.accumulate import (
     token_loss,
 )
 from gas_lab.lessons.toys import TinySeqModel, sequence_batch, spread_lengths
+
+
+@contextlib.contextmanager
+def _one_thread() -> Iterator[None]:
+    # Tensors of a few hundred elements: extra threads only wait on each other, by seconds
+    # per slider move on a busy 2-core laptop.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 # ---------------------------------------------------------------- lesson 01: the compute
@@ -47,51 +68,116 @@ def explorer_errors(
     spread: float, ns: Sequence[int], normalizations: Sequence[str] = NORMALIZATIONS
 ) -> dict[str, list[float]]:
     """Max relative error against the per-token reference, per normalization, for each N."""
-    return {
-        norm: [error_vs_reference(norm, n, spread).max_rel for n in ns] for norm in normalizations
-    }
+    with _one_thread():
+        return {
+            norm: [error_vs_reference(norm, n, spread).max_rel for n in ns]
+            for norm in normalizations
+        }
 
 
 # ---------------------------------------------------------------- lesson 01: the widget
-def accumulation_explorer(n_max: int = 8):
+# Wide enough for the longest description ("normalization"): ipywidgets' default cuts it.
+_STYLE = {"description_width": "8.5em"}
+
+
+class AccumulationExplorer(w.VBox):
+    """The explorer's box: (N slider, spread slider, normalization menu, label, plot).
+
+    ``errors_for(spread)`` is cached per spread; ``computed`` counts the spreads computed, so
+    a test can tell a redraw from a recomputation.
+    """
+
+    def __init__(self, n_max: int = 8):
+        self.ns = list(range(1, n_max + 1))
+        self._cache: dict[float, dict[str, list[float]]] = {}
+        self.computed = 0
+        self.n = w.IntSlider(value=4, min=1, max=n_max, description="N", style=_STYLE)
+        self.spread = w.FloatSlider(
+            value=0.5, min=0.0, max=1.0, step=0.05, description="length spread", style=_STYLE
+        )
+        self.norm = w.Dropdown(
+            options=list(NORMALIZATIONS),
+            value="mean_of_means",
+            description="normalization",
+            style=_STYLE,
+        )
+        self.label, self.out = w.Label(), w.Output()
+        self._svg, self._fig, self._star = "", None, None
+        super().__init__([self.n, self.spread, self.norm, self.label, self.out])
+        for control in (self.n, self.spread, self.norm):
+            control.observe(self.redraw, names="value")
+        self.redraw()
+
+    def errors_for(self, spread: float) -> dict[str, list[float]]:
+        key = round(spread, 6)  # slider steps of 0.05 arrive as 0.15000000000000002
+        if key not in self._cache:
+            self._cache[key] = explorer_errors(key, self.ns)
+            self.computed += 1
+        return self._cache[key]
+
+    def redraw(self, _change: object = None) -> None:
+        """Show the current controls: new numbers only for a new spread, the same figure."""
+        from IPython.display import display
+
+        errors = self.errors_for(self.spread.value)
+        here = errors[self.norm.value][self.n.value - 1]
+        self.label.value = (
+            f"{self.norm.value}, N={self.n.value}, spread={self.spread.value:.2f}: "
+            f"max rel error {here:.2e}"
+        )
+        self._svg = self._draw(errors, here)
+        with self.out:
+            self.out.clear_output(wait=True)
+            display({"image/svg+xml": self._svg}, raw=True)  # IPython's SVG() re-parses it
+
+    def _draw(self, errors: dict[str, list[float]], here: float) -> str:
+        # One figure for the explorer's life: a move updates its lines instead of building a
+        # new figure, which costs more than the numbers themselves.
+        import matplotlib.pyplot as plt
+
+        from gas_lab.lessons.plots import FLOOR, plot_error_vs_n
+
+        if self._fig is None:
+            self._fig = plot_error_vs_n(
+                self.ns, errors, highlight=self.norm.value, title="accumulated vs per-token"
+            )
+            plt.close(self._fig)  # drawn only into SVG: keep pyplot from showing it again
+            (self._star,) = self._fig.axes[0].plot([], [], "k*", markersize=14)
+            # "1e-05" instead of mathtext's 10^-5: typesetting tick labels was most of a redraw.
+            self._fig.axes[0].yaxis.set_major_formatter("{x:.0e}")
+        ax = self._fig.axes[0]
+        for line in ax.lines:
+            name = line.get_label()
+            if name in errors:
+                line.set_ydata([max(y, FLOOR) for y in errors[name]])
+                line.set_alpha(1.0 if name == self.norm.value else 0.3)
+                line.set_linewidth(2.5 if name == self.norm.value else 1.0)
+        self._star.set_data([self.n.value], [max(here, FLOOR)])
+        ax.relim()
+        ax.autoscale_view()
+        ax.legend()  # anew: a legend copies the line styles it was made with
+        buffer = io.StringIO()
+        with plt.rc_context({"svg.fonttype": "none"}):  # text stays text: sharp, searchable
+            self._fig.savefig(buffer, format="svg")
+        svg = buffer.getvalue()
+        return svg[svg.index("<svg") :]
+
+    def _repr_mimebundle_(self, **kwargs) -> dict:
+        """The live widget, plus a picture of its current state for viewers without a kernel."""
+        bundle = super()._repr_mimebundle_(**kwargs)
+        bundle["text/html"] = (
+            '<div class="gas-lab-explorer-snapshot">'
+            f"<p><em>A still picture of the explorer ({html.escape(self.label.value)}). "
+            "In JupyterLab its sliders and menu redraw the plot live.</em></p>"
+            f"{self._svg}</div>"
+        )
+        return bundle
+
+
+def accumulation_explorer(n_max: int = 8) -> AccumulationExplorer:
     """Sliders for N and length spread, a normalization menu, and a live error plot.
 
     Returns the widget box; its ``.children`` are (N slider, spread slider, dropdown, label,
     output), so a test can set values and read the label.
     """
-    import ipywidgets as w  # imported here so the library works without a notebook stack
-    import matplotlib.pyplot as plt
-    from IPython.display import display
-
-    from gas_lab.lessons.plots import plot_error_vs_n
-
-    n = w.IntSlider(value=4, min=1, max=n_max, description="N")
-    spread = w.FloatSlider(value=0.5, min=0.0, max=1.0, step=0.05, description="length spread")
-    norm = w.Dropdown(
-        options=list(NORMALIZATIONS), value="mean_of_means", description="normalization"
-    )
-    label, out = w.Label(), w.Output()
-
-    def redraw(_change: object = None) -> None:
-        ns = list(range(1, n_max + 1))
-        errors = explorer_errors(spread.value, ns)
-        here = errors[norm.value][n.value - 1]
-        label.value = (
-            f"{norm.value}, N={n.value}, spread={spread.value:.2f}: max rel error {here:.2e}"
-        )
-        with out:
-            out.clear_output(wait=True)
-            fig = plot_error_vs_n(
-                ns,
-                errors,
-                highlight=norm.value,
-                title="accumulated vs full-batch per-token gradient",
-            )
-            fig.axes[0].plot([n.value], [max(here, 1e-9)], "k*", markersize=14)
-            display(fig)
-            plt.close(fig)  # displayed once; closing keeps pyplot from piling up figures
-
-    for control in (n, spread, norm):
-        control.observe(redraw, names="value")
-    redraw()
-    return w.VBox([n, spread, norm, label, out])
+    return AccumulationExplorer(n_max)

@@ -14,6 +14,7 @@ returns what each raised.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -79,7 +80,13 @@ def train(
     size = engine.train_micro_batch_size_per_gpu()
     managed = engine.managed_gradient_accumulation()
     counters, losses = [], []
-    with count_collectives() as log:  # the loop only: initialize's broadcasts are not counted
+    # the loop only: initialize's broadcasts are not counted. DeepSpeed 0.19.8's ZeRO-2/3 call
+    # torch.distributed names that torch 2.13 deprecates; that FutureWarning (with this
+    # machine's paths) is about DeepSpeed's code, not the learner's, so it is not shown.
+    with count_collectives() as log, warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning
+        )
         for step in range(steps):
             n = micro_batches_in(micro_batches, step, rank, engine.gradient_accumulation_steps())
             divisor = 1.0 if loss_divisor is None else loss_divisor(n)
