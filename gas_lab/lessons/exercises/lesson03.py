@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from gas_lab.engine import initialize
-from gas_lab.lessons.exercises.verdict import Verdict, check_cases
+from gas_lab.lessons.exercises.on_ranks import measured_once
+from gas_lab.lessons.exercises.verdict import Verdict, answer_for, check_cases
 from gas_lab.lessons.toys import flat_params, micro_batch, tiny_model
 from gas_lab.measure.parity import reference_params
 
@@ -121,26 +122,21 @@ def _run_script(script: Script) -> tuple[int, int, int]:
     return engine.micro_steps, engine.global_steps, engine.global_samples
 
 
-_MEASURED: dict[tuple[str, int], tuple[int, int, int]] = {}  # DeepSpeed is deterministic here
-
-
 def measured_counters(letter: str, cluster) -> tuple[int, int, int]:
     """What DeepSpeed's counters say after script ``letter`` (measured once per session)."""
-    key = (letter, cluster.world_size)
-    if key not in _MEASURED:
-        # The first DeepSpeed engine on fresh ranks imports DeepSpeed there: allow for it.
-        _MEASURED[key] = tuple(cluster.run(_run_script, SCRIPTS[letter], timeout=180)[0])
-    return _MEASURED[key]
+    # The first DeepSpeed engine on fresh ranks imports DeepSpeed there: allow for it.
+    return measured_once(
+        ("lesson03 script", letter, cluster.world_size),
+        lambda: tuple(cluster.run(_run_script, SCRIPTS[letter], timeout=180)[0]),
+    )
 
 
 def _prediction_case(fn: Callable, letter: str, cluster):
     script = SCRIPTS[letter]
 
     def run():
-        answers = fn()  # first: an untouched TODO raises here, before anything is measured
-        if not isinstance(answers, dict):
-            raise TypeError(f"return a dict like {{'A': (10, 2, 32), ...}}, got {type(answers)}")
-        return answers.get(letter), measured_counters(letter, cluster)
+        got = answer_for(fn, letter, "{'A': (10, 2, 32), ...}")
+        return got, measured_counters(letter, cluster)
 
     def judge(result) -> str | None:
         got, (micro, steps, samples) = result

@@ -218,7 +218,7 @@ def check_rpc_step(fn: Callable, cluster) -> Verdict:
         def run():
             cluster.run(_start_deepspeed, timeout=300)
             try:
-                return table, run_on_ranks(cluster, _rpc_run, fn, table, timeout=15)
+                return table, run_on_ranks(cluster, _rpc_run, fn, table, timeout=10)
             except (RankError, RankStallError) as err:  # mismatched collectives: the hang
                 return table, err
 

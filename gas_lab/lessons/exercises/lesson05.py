@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from gas_lab.lessons.exercises.on_ranks import run_on_ranks
-from gas_lab.lessons.exercises.verdict import Verdict, check_cases
+from gas_lab.lessons.exercises.on_ranks import measured_once, run_on_ranks
+from gas_lab.lessons.exercises.verdict import Verdict, answer_for, check_cases
 from gas_lab.lessons.toys import micro_batch, tiny_model
 from gas_lab.zero1 import Layout
 
@@ -200,26 +200,20 @@ def _measure_traffic(t: Traffic) -> dict[str, tuple[int, int]]:
     return {kind: (row["calls"], row["bytes"]) for kind, row in log.by_kind().items()}
 
 
-_MEASURED: dict[tuple[str, int], dict] = {}  # deterministic: measured once per session
-
-
 def measured_traffic(letter: str, cluster) -> dict[str, tuple[int, int]]:
-    key = (letter, cluster.world_size)
-    if key not in _MEASURED:
-        _MEASURED[key] = cluster.run(_measure_traffic, TRAFFIC[letter], timeout=300)[0]
-    return _MEASURED[key]
+    """Run ``letter``'s collectives, measured on the ranks (once per session)."""
+    return measured_once(
+        ("lesson05 traffic", letter, cluster.world_size),
+        lambda: cluster.run(_measure_traffic, TRAFFIC[letter], timeout=300)[0],
+    )
 
 
 def _traffic_case(fn: Callable, letter: str, cluster):
     t = TRAFFIC[letter]
 
     def run():
-        answers = fn()  # first: an untouched TODO raises here, before anything is measured
-        if not isinstance(answers, dict):
-            raise TypeError(
-                f"return a dict like {{'A': {{'all_reduce': (1, 232)}}, ...}}, got {type(answers)}"
-            )
-        return answers.get(letter), measured_traffic(letter, cluster)
+        got = answer_for(fn, letter, "{'A': {'all_reduce': (1, 232)}, ...}")
+        return got, measured_traffic(letter, cluster)
 
     def judge(result) -> str | None:
         got, want = result

@@ -19,7 +19,8 @@ import io
 from collections.abc import Callable
 
 from gas_lab.config import ConfigError, parse
-from gas_lab.lessons.exercises.verdict import Verdict, check_cases
+from gas_lab.lessons.exercises.on_ranks import measured_once
+from gas_lab.lessons.exercises.verdict import Verdict, answer_for, check_cases
 from gas_lab.rules import matrix, prediction
 from gas_lab.rules.refusals import Rule, Situation, first_violation
 
@@ -78,18 +79,11 @@ def _measure_quietly(cases: list[dict]) -> list[dict]:
         return matrix.measure(cases)
 
 
-_MEASURED: dict[str, dict] = {}  # case id -> what DeepSpeed did, measured once per session
-
-
 def measure_live(cases: list[dict], cluster) -> list[dict]:
-    """What DeepSpeed does with ``cases`` now, on the notebook's ranks (rank 0's record)."""
-    todo = [c for c in cases if c["id"] not in _MEASURED]
-    if todo:
-        for case, got in zip(
-            todo, cluster.run(_measure_quietly, todo, timeout=300)[0], strict=True
-        ):
-            _MEASURED[case["id"]] = got
-    return [_MEASURED[c["id"]] for c in cases]
+    """What DeepSpeed does with ``cases`` now, on the notebook's ranks (rank 0's record; each
+    case measured once per session)."""
+    key = ("lesson06 matrix", tuple(c["id"] for c in cases), cluster.world_size)
+    return measured_once(key, lambda: cluster.run(_measure_quietly, cases, timeout=300)[0])
 
 
 def _said(got: dict) -> str:
@@ -103,11 +97,8 @@ def _prediction_case(fn: Callable, letter: str, cluster):
     case = _committed()[SCENARIOS[letter]]
 
     def run():
-        answers = fn()  # first: an untouched TODO raises here, before anything is measured
-        if not isinstance(answers, dict):
-            raise TypeError(f"return a dict like {{'A': 'accepted', ...}}, got {type(answers)}")
-        got = measure_live([case], cluster)[0]
-        return answers.get(letter), got
+        answer = answer_for(fn, letter, "{'A': 'accepted', ...}")
+        return answer, measure_live([case], cluster)[0]
 
     def judge(result) -> str | None:
         answer, got = result

@@ -17,8 +17,14 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from gas_lab.accumulate import Batch, Window, compare_grads, full_batch_gradient, grads_of
-from gas_lab.accumulate import token_loss as _token_loss
+from gas_lab.accumulate import (
+    Batch,
+    Window,
+    compare_grads,
+    full_batch_gradient,
+    grads_of,
+    token_loss,
+)
 from gas_lab.dp import global_count
 from gas_lab.lessons.exercises.on_ranks import run_on_ranks
 from gas_lab.lessons.exercises.verdict import Verdict, check_cases
@@ -44,7 +50,7 @@ def _rank_averaged_gradient(per_rank: list[list[Batch]], loss_of: Callable) -> d
     for mbs in per_rank:
         model, rank_sequences = TinyTransformer(3), Window.of(mbs).n_samples
         for mb in mbs:
-            loss = loss_of(_token_loss(model, mb), mb.mask, rank_sequences, *counts.values())
+            loss = loss_of(token_loss(model, mb), mb.mask, rank_sequences, *counts.values())
             if not (torch.is_tensor(loss) and loss.requires_grad):
                 raise TypeError("the loss carries no gradient: return a tensor, not .item()")
             loss.backward()
@@ -83,7 +89,7 @@ def _sequence_case(fn: Callable, world_size: int, step: int) -> Callable[[], dic
         big = Batch(*(torch.cat([getattr(m, k) for m in every]) for k in ("x", "y", "mask")))
         return {
             "got": _rank_averaged_gradient(per_rank, fn),
-            "ref": full_batch_gradient(TinyTransformer(3), big, _token_loss, "per_sample"),
+            "ref": full_batch_gradient(TinyTransformer(3), big, token_loss, "per_sample"),
             "per_rank": per_rank,
         }
 
@@ -155,7 +161,7 @@ class CachedCountTrainer:
         if self.tokens is None:  # one all-reduce, not one per micro-batch
             self.tokens = global_count(sum(int(mb.mask.sum()) for mb in micro_batches))
         for mb in micro_batches:
-            loss = (_token_loss(self.engine, mb) * mb.mask).sum() / self.tokens * self.world
+            loss = (token_loss(self.engine, mb) * mb.mask).sum() / self.tokens * self.world
             self.engine.backward(loss, scale_wrt_gas=False)
         self.engine.step()
 
