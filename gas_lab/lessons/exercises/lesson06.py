@@ -38,7 +38,7 @@ CALLS = {
 }
 ANSWERS = ("accepted", *dict.fromkeys(CALLS.values()))
 _OPS = {
-    "backward": "backward",
+    "backward": "backward()",
     "tensor_backward": "loss.backward()",
     "step": "step()",
     "set_boundary_true": "set_gradient_accumulation_boundary(True)",
