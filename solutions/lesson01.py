@@ -6,38 +6,37 @@ Kept apart from the notebook so an instructor can hand out one without the other
 
 from __future__ import annotations
 
+import torch
 
-def accumulation_loop(model, micro_batches, loss_fn):
-    """Exercise 1: leave the full-batch mean-loss gradient in each parameter's ``.grad``."""
-    n = len(micro_batches)
-    model.zero_grad()  # once, before the loop: stale gradients from a previous step go away
+
+def per_token_stream(model, stream, loss_fn):
+    """Exercise 1: the window's per-token gradient, its token count known only at the end."""
+    model.zero_grad()
+    n_tokens = 0
+    for mb in stream:
+        # The SUM of the real-token losses: no count is needed yet ...
+        (loss_fn(model, mb) * mb.mask).sum().backward()
+        n_tokens += int(mb.mask.sum())
+    # ... because d(sum / T) = d(sum) / T: divide the accumulated gradient once, at the end.
+    for p in model.parameters():
+        if p.grad is not None:
+            p.grad /= n_tokens
+
+
+def clipped_step(model, optimizer, micro_batches, loss_fn, max_norm):
+    """Exercise 2: ``buggy_clipped_step`` with both bugs fixed."""
+    optimizer.zero_grad()
+    total = sum(len(mb) for mb in micro_batches)
     for mb in micro_batches:
-        # mean over this micro-batch, / N so the N backward() calls add up to the mean
-        (loss_fn(model, mb).mean() / n).backward()
-
-
-def ragged_weights(sizes):
-    """Exercise 2: weight of each micro-batch's mean loss = its share of the window's samples."""
-    total = sum(sizes)
-    return [size / total for size in sizes]
-
-
-def per_token_losses(token_losses, masks):
-    """Exercise 3: one scalar per micro-batch whose sum is the window's per-token mean loss."""
-    # Count the real tokens of the WHOLE window before any micro-batch is scaled.
-    n_tokens = sum(mask.sum() for mask in masks)
-    return [
-        (losses * mask).sum() / n_tokens for losses, mask in zip(token_losses, masks, strict=True)
-    ]
+        # Bug 1 fixed: weigh each micro-batch's mean by its share of the samples, not 1/N.
+        (loss_fn(model, mb).mean() * len(mb) / total).backward()
+    # Bug 2 fixed: clip the accumulated gradient once, not every partial sum.
+    torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    optimizer.step()
 
 
 if __name__ == "__main__":
-    from gas_lab.lessons.exercises.lesson01 import (
-        check_accumulation_loop,
-        check_per_token_losses,
-        check_ragged_weights,
-    )
+    from gas_lab.lessons.exercises.lesson01 import check_clipped_step, check_per_token_stream
 
-    print(check_accumulation_loop(accumulation_loop))
-    print(check_ragged_weights(ragged_weights))
-    print(check_per_token_losses(per_token_losses))
+    print(check_per_token_stream(per_token_stream))
+    print(check_clipped_step(clipped_step))

@@ -1,38 +1,45 @@
 """Reference solutions for lesson 04's exercises (tutorials/04_unmanaged.ipynb).
 
-Exercise 2 runs on every rank: ``python solutions/lesson04.py`` starts 2 CPU ranks and shows
-every checker pass.
+Both run on every rank: ``python solutions/lesson04.py`` starts 2 CPU ranks and shows both
+checkers pass.
 """
 
 from __future__ import annotations
 
 
-def rpc_step(engine, micro_batches, loss_fn):
-    """Exercise 1: N backward() calls, then one step(), on an unmanaged engine."""
-    n = len(micro_batches)
-    for x, y in micro_batches:
-        # The engine would divide by its configured GAS; this step has N micro-batches.
-        engine.backward(loss_fn(engine(x), y) / n, scale_wrt_gas=False)
-    engine.step()  # unmanaged: this call is the boundary (all-reduce, then update)
-
-
-def loss_divisor(n):
-    """Exercise 2: the same divisor on every rank, from every rank's count."""
-    import torch
+def sample_weighted_losses(losses):
+    """Exercise 1: one scalar per micro-batch; every sample of every rank weighs the same."""
     import torch.distributed as dist
 
-    total = torch.tensor([float(n)])
-    dist.all_reduce(total)  # every rank joins, even with n == 0
-    # The engine averages the ranks' gradients (divides by the world size), so divide by the
-    # average count per rank: then every micro-batch, on any rank, weighs 1 / total.
-    return total.item() / dist.get_world_size()
+    from gas_lab.dp import global_count
+
+    # Samples, not micro-batches: they differ in size. Every rank joins, even with none.
+    all_samples = global_count(sum(len(x) for x in losses))
+    # DeepSpeed's step() divides the sum over ranks by W: divide by the samples per rank.
+    per_rank = all_samples / dist.get_world_size()
+    return [x.sum() / per_rank for x in losses]
+
+
+def rpc_step(engine, micro_batches, loss_fn):
+    """Exercise 2: ``hanging_step`` fixed."""
+    import torch.distributed as dist
+
+    from gas_lab.dp import global_count
+
+    # Bug 1: the count was all-reduced once per micro-batch, i.e. N times on a rank with N:
+    # count once per step, before the loop, on every rank (N = 0 included).
+    divisor = global_count(len(micro_batches)) / dist.get_world_size()
+    for x, y in micro_batches:
+        engine.backward(loss_fn(engine(x), y) / divisor, scale_wrt_gas=False)
+    # Bug 2: step() all-reduces the gradients, so a rank with nothing to do must call it too.
+    engine.step()
 
 
 if __name__ == "__main__":
     import gas_lab
-    from gas_lab.lessons.exercises.lesson04 import check_loss_divisor, check_rpc_step
+    from gas_lab.lessons.exercises.lesson04 import check_rpc_step, check_sample_weights
 
-    print(check_rpc_step(rpc_step))
-    cluster = gas_lab.start_cluster(world_size=2)
-    print(check_loss_divisor(loss_divisor, cluster))
+    cluster = gas_lab.start_cluster(world_size=2, device="cpu")
+    print(check_sample_weights(sample_weighted_losses, cluster))
+    print(check_rpc_step(rpc_step, cluster))
     cluster.stop()

@@ -1,7 +1,7 @@
 """Reference solutions for lesson 05's exercises (tutorials/05_zero1.ipynb).
 
-Kept apart from the notebook so an instructor can hand out one without the other. Exercises 2
-and 3 run on every rank: ``python solutions/lesson05.py`` starts 2 ranks and checks all three.
+Kept apart from the notebook so an instructor can hand out one without the other. Both run on
+the ranks: ``python solutions/lesson05.py`` starts 2 ranks and checks both.
 """
 
 from __future__ import annotations
@@ -10,39 +10,41 @@ import torch
 import torch.distributed as dist
 
 
-def shard_range(numel, world_size, rank):
-    """Exercise 1: [start, end) of rank's shard of the zero-padded flat vector."""
-    unit = 2 * world_size  # shard sizes a multiple of 2 elements, as DeepSpeed aligns them
-    padded = -(-numel // unit) * unit  # round UP, so that no real element is left over
-    size = padded // world_size
-    return rank * size, (rank + 1) * size
-
-
-def global_grad_norm(shard, group):
-    """Exercise 2: the norm of the whole gradient, from this rank's shard of it."""
-    squares = shard.float().pow(2).sum()  # squares add up over ranks; norms do not
-    dist.all_reduce(squares, group=group)
-    return squares.sqrt().item()
-
-
-def gradient_shard(flat_grad, group):
-    """Exercise 3: this rank's shard of the gradient averaged over ranks."""
+def accumulate_shard(micro_grads, group):
+    """Exercise 1: my shard of the rank-averaged accumulated gradient, reduced per micro-batch."""
     world = dist.get_world_size(group)
-    out = torch.empty(flat_grad.numel() // world, dtype=flat_grad.dtype)
-    dist.reduce_scatter_tensor(out, flat_grad, group=group)  # shard r of the SUM, on rank r
-    return out / world
+    shard = None
+    for g in micro_grads:
+        out = torch.empty(g.numel() // world, dtype=g.dtype)
+        dist.reduce_scatter_tensor(out, g, group=group)  # shard r of the SUM lands on rank r
+        shard = out if shard is None else shard + out  # only a shard is kept between backwards
+    return shard / world
+
+
+def traffic_predictions():
+    """Exercise 2: {kind: (calls, bytes)} summed over each run, on one rank, 2 ranks."""
+    return {
+        # stage 0, no clipping: the gradient only (58 floats = 232 bytes)
+        "A": {"all_reduce": (1, 232)},
+        # stage 1: gradient + the 4-byte norm, even without clipping; the padded 60 floats
+        "B": {"all_reduce": (2, 236), "all_gather": (1, 240)},
+        # 37 weights, padded to 40 (a multiple of 2 x 2): 148 + 4 bytes, all-gather 160
+        "C": {"all_reduce": (2, 152), "all_gather": (1, 160)},
+        # the reduce-scatter works on the padded buffer too
+        "D": {"reduce_scatter": (1, 160), "all_reduce": (1, 4), "all_gather": (1, 160)},
+        # two steps of run B's traffic (with clipping, which changes nothing at stage 1)
+        "E": {"all_reduce": (4, 472), "all_gather": (2, 480)},
+    }
 
 
 if __name__ == "__main__":
     import gas_lab
     from gas_lab.lessons.exercises.lesson05 import (
-        check_global_norm,
-        check_gradient_shard,
-        check_shard_ranges,
+        check_shard_accumulation,
+        check_traffic_predictions,
     )
 
-    cluster = gas_lab.start_cluster()
-    print(check_shard_ranges(shard_range))
-    print(check_global_norm(global_grad_norm, cluster))
-    print(check_gradient_shard(gradient_shard, cluster))
+    cluster = gas_lab.start_cluster(world_size=2, device="cpu")
+    print(check_shard_accumulation(accumulate_shard, cluster))
+    print(check_traffic_predictions(traffic_predictions, cluster))
     cluster.stop()

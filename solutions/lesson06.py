@@ -1,38 +1,50 @@
-"""Solutions to lesson 06's exercises (for instructors; handed out after the workshop)."""
+"""Solutions to lesson 06's exercises (for instructors; handed out after the workshop).
+
+Both are measured on DeepSpeed on the ranks: ``python solutions/lesson06.py`` starts 2 CPU
+ranks and shows both checkers pass.
+"""
+
+from gas_lab.rules.refusals import Example, Rule
 
 
 def my_predictions() -> dict:
     return {
-        "A": "rejected",  # unmanaged + overlap_comm at ZeRO-1: reduction hooks need the boundary
-        "B": "accepted",  # ZeRO-3 reduces in every backward() anyway (the message says stage 2)
-        "C": "silently wrong",  # N = 3 but backward() still divides by GAS = 2
-        "D": "silently wrong",  # the string "false" is truthy: DeepSpeed runs managed
-        "E": "rejected",  # a second owner of the boundary, refused at the call
-        "F": "accepted",  # uneven N, normalized by the global count: right
-        "G": "silently wrong",  # right gradients at ZeRO-1, but global_samples stays 0
-        "H": "rejected",  # any "amp" block is refused since Apex was removed
+        "A": "step",  # step() inside no_sync(): refused in managed mode too, at ZeRO-1 too
+        "B": "no_sync",  # ZeRO-2 partitions gradients: no_sync() cannot be honoured
+        "C": "coalesce_grad_reduction",  # managed, but coalescing lives in the ZeRO optimizers
+        "D": "accepted",  # managed ZeRO-1: what coalesce_grad_reduction() is for
+        "E": "accepted",  # loss.backward() is refused at stage 0 only
+        "F": "initialize",  # unmanaged + overlap_comm at stage 1, whatever offload or bf16
+        "G": "accepted",  # no_sync() unmanaged at stage 0/1: local accumulation anyway
+        "H": "no_sync",  # the stage 2/3 rule fires on the FIRST no_sync(), before any reentry
     }
 
 
-def refused_at_initialize(config: dict) -> bool:
-    zero = config.get("zero_optimization", {})
-    stage = zero.get("stage", 0)
-    unmanaged = config.get("managed_gradient_accumulation", True) is False
-    optimizer = config.get("optimizer", {})
-    if "amp" in config:
-        return True
-    if "max_grad_norm" in optimizer.get("params", {}):
-        return True
-    if stage >= 1 and optimizer.get("type") == "SGD":
-        return not config.get("zero_allow_untested_optimizer", False)
-    overlap = zero.get("overlap_comm", stage == 3)  # DeepSpeed's default: on at stage 3 only
-    if unmanaged and overlap and stage < 2:
-        return True
-    return unmanaged and config.get("compile", {}).get("deepcompile", False)
+def zero_pipeline_rule() -> Rule:
+    return Rule(
+        name="pipeline_zero23",
+        action="initialize",
+        moment="initialize",
+        keys=("PipelineModule", "zero_optimization.stage>=2"),
+        condition="a pipeline-parallel model with ZeRO stage 2 or 3",
+        reason="The pipeline engine runs its own schedule of micro-batch backward passes; "
+        "ZeRO-2/3 reduce-scatter (and free) every gradient inside each backward, which that "
+        "schedule does not drive.",
+        prevents="gradient partitions reduced on a schedule the pipeline never follows.",
+        deepspeed_raises="AssertionError",  # measured with lesson06.measure_live
+        deepspeed_message="ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism",
+        example=Example(config={"zero_optimization": {"stage": 2}}, pipeline=True),
+        # Unmanaged, DeepSpeed's own "no pipelines unmanaged" check fires first (measured):
+        # the known rule comes first in the list, so this one may stay this simple.
+        applies=lambda s: s.pipeline and s.config.zero_optimization.stage >= 2,
+    )
 
 
 if __name__ == "__main__":
-    from gas_lab.lessons.exercises.lesson06 import check_predictions, check_refusal_rules
+    import gas_lab
+    from gas_lab.lessons.exercises.lesson06 import check_new_rule, check_predictions
 
-    print(check_predictions(my_predictions))
-    print(check_refusal_rules(refused_at_initialize))
+    cluster = gas_lab.start_cluster(world_size=2, device="cpu")
+    print(check_predictions(my_predictions, cluster))
+    print(check_new_rule(zero_pipeline_rule, cluster))
+    cluster.stop()

@@ -1,32 +1,48 @@
 """Reference solutions for lesson 07's exercises (tutorials/07_capstone.ipynb).
 
 Kept apart from the notebook so an instructor can hand out one without the other.
+``python solutions/lesson07.py`` starts 2 CPU ranks and shows both checkers pass.
 """
 
 from __future__ import annotations
 
 
-def micro_batch_loss(token_losses, mask, rank_tokens, all_tokens, world_size):
-    """Exercise 1: the scalar for ``engine.backward(loss, scale_wrt_gas=False)``."""
-    # Every real token of the step, on every rank, weighs 1 / all_tokens. DeepSpeed then
-    # divides the sum of the ranks' gradients by world_size, which the factor undoes.
-    # rank_tokens is a trap: dividing by it weighs the ranks, not the tokens, equally.
-    return (token_losses * mask).sum() / all_tokens * world_size
+def sequence_mean_loss(token_losses, mask, rank_sequences, all_sequences, all_tokens, world_size):
+    """Exercise 1: the sequence-level mean over every sequence of every rank."""
+    # Each sequence: the mean of its real tokens' losses, so a long one weighs what a short one
+    # does. Then every sequence of the step weighs 1 / all_sequences, and x world_size undoes
+    # DeepSpeed's average over ranks. rank_sequences and all_tokens are traps here.
+    per_sequence = (token_losses * mask).sum(1) / mask.sum(1)
+    return per_sequence.sum() / all_sequences * world_size
 
 
-def global_token_count(masks):
-    """Exercise 2: on every rank, the real tokens of the step summed over ALL ranks."""
-    import torch
-    import torch.distributed as dist
+class Trainer:
+    """Exercise 2: ``CachedCountTrainer`` fixed."""
 
-    # On the masks' device (a GPU under nccl); called by every rank, even one with no masks.
-    mine = sum(int(m.sum()) for m in masks)
-    total = torch.tensor([mine], dtype=torch.int64, device=masks[0].device if masks else None)
-    dist.all_reduce(total)  # SUM over ranks, in place, on every rank
-    return int(total.item())
+    def __init__(self, engine):
+        import torch.distributed as dist
+
+        self.engine = engine
+        self.world = dist.get_world_size()
+
+    def train_step(self, micro_batches):
+        from gas_lab.accumulate import token_loss
+        from gas_lab.dp import global_count
+
+        # The bug: the count was all-reduced once, at step 0, and reused. Every step has its
+        # own rollouts, so its own count: one all-reduce per step, before the first backward.
+        tokens = global_count(sum(int(mb.mask.sum()) for mb in micro_batches))
+        for mb in micro_batches:
+            loss = (token_loss(self.engine, mb) * mb.mask).sum() / tokens * self.world
+            self.engine.backward(loss, scale_wrt_gas=False)
+        self.engine.step()
 
 
 if __name__ == "__main__":
-    from gas_lab.lessons.exercises.lesson07 import check_micro_batch_loss
+    import gas_lab
+    from gas_lab.lessons.exercises.lesson07 import check_sequence_mean_loss, check_trainer
 
-    print(check_micro_batch_loss(micro_batch_loss))  # exercise 2 needs the notebook's ranks
+    print(check_sequence_mean_loss(sequence_mean_loss))
+    cluster = gas_lab.start_cluster(world_size=2, device="cpu")
+    print(check_trainer(Trainer, cluster))
+    cluster.stop()

@@ -1,52 +1,92 @@
-"""Lesson 00 checker: the solution passes, the TODO stub is 'todo', a sum instead of a mean fails."""
+"""Lesson 00 checkers: the solutions pass, the TODO stubs say 'todo', typical mistakes are named."""
 
 import pytest
 from exercise_support import assert_failed, assert_todo, load_solutions, todo
 
-from gas_lab.lessons.exercises.lesson00 import check_losses_from_all_ranks, check_mean_across_ranks
+from gas_lab.lessons.exercises.lesson00 import check_any_rank_overflowed, check_gather_ragged
 
 SOL = load_solutions(0)
 pytestmark = pytest.mark.ranks
 
 
-def _sum_instead_of_mean(x):
-    import torch.distributed as dist
+@pytest.mark.parametrize(
+    ("check", "solution"),
+    [
+        (check_gather_ragged, SOL.gather_ragged),
+        (check_any_rank_overflowed, SOL.any_rank_overflowed),
+    ],
+)
+def test_solutions_pass_and_stubs_are_todo(cluster, check, solution):
+    verdict = check(solution, cluster).raise_if_failed()
+    assert verdict.cases_passed == verdict.cases_total >= 3
+    assert_todo(check(todo, cluster))
 
-    dist.all_reduce(x)
+
+# ---------------------------------------------------------------- exercise 1
+def _only_mine(x):
     return x
 
 
-def test_solution_passes(cluster):
-    check_mean_across_ranks(SOL.mean_across_ranks, cluster).raise_if_failed()
+def _padding_left_in(x):
+    import torch
+    import torch.distributed as dist
+
+    length = torch.tensor([x.numel()])
+    lengths = [torch.zeros_like(length) for _ in range(dist.get_world_size())]
+    dist.all_gather(lengths, length)
+    padded = torch.zeros(int(max(lengths)))
+    padded[: x.numel()] = x
+    pieces = [torch.empty_like(padded) for _ in lengths]
+    dist.all_gather(pieces, padded)
+    return torch.cat(pieces)  # forgot to cut each piece to its length
 
 
-def test_untouched_todo_is_reported_not_raised(cluster):
-    assert_todo(check_mean_across_ranks(todo, cluster))
+def _unequal_all_gather(x):
+    import torch
+    import torch.distributed as dist
+
+    pieces = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+    dist.all_gather(pieces, x)  # gloo refuses pieces of another size
+    return torch.cat(pieces)
 
 
-def test_sum_instead_of_mean_fails_with_a_precise_message(cluster):
-    assert_failed(
-        check_mean_across_ranks(_sum_instead_of_mean, cluster),
-        "one number per rank",
-        "that is the sum: divide by the world size",
-    )
+def test_gather_mistakes_are_named(cluster):
+    assert_failed(check_gather_ragged(_only_mine, cluster), "equal lengths", "only its own")
+    verdict = check_gather_ragged(_padding_left_in, cluster)
+    assert_failed(verdict, "a different length on every rank", "padding zeros are still in")
+    assert verdict.cases_passed == 1  # with equal lengths there is no padding to forget
 
 
-def _only_my_loss(loss):
-    return [loss]
+def test_gather_of_unequal_sizes_is_explained_not_raised(cluster):
+    # Equal lengths pass; unequal ones make gloo raise on a rank (and the ranks restart).
+    verdict = check_gather_ragged(_unequal_all_gather, cluster)
+    assert_failed(verdict, "a different length on every rank", "SAME size", "[2, 5]")
+    assert verdict.cases_passed == 1
+    assert cluster.run(lambda: 1) == [1, 1]  # usable again afterwards
 
 
-def test_gather_solution_passes(cluster):
-    check_losses_from_all_ranks(SOL.losses_from_all_ranks, cluster).raise_if_failed()
+# ---------------------------------------------------------------- exercise 2
+def _own_loss_only(loss):
+    import math
+
+    return not math.isfinite(loss)
 
 
-def test_gather_todo_is_reported_not_raised(cluster):
-    assert_todo(check_losses_from_all_ranks(todo, cluster))
+def _sum_of_losses(loss):
+    import math
+
+    import torch
+    import torch.distributed as dist
+
+    total = torch.tensor([float(loss)])
+    dist.all_reduce(total)  # nan and inf propagate, but so does a float32 overflow
+    return not math.isfinite(total.item())
 
 
-def test_gather_returning_only_this_ranks_loss_is_named(cluster):
-    assert_failed(
-        check_losses_from_all_ranks(_only_my_loss, cluster),
-        "losses 0.5, 1.5, ...",
-        "returned only its own loss",
-    )
+def test_overflow_mistakes_are_named(cluster):
+    verdict = check_any_rank_overflowed(_own_loss_only, cluster)
+    assert_failed(verdict, "nan on the last rank only", "the ranks disagree", "[False, True]")
+    assert verdict.cases_passed == 1
+    verdict = check_any_rank_overflowed(_sum_of_losses, cluster)
+    assert_failed(verdict, "every loss finite, and huge", "overflowed float32", "flag")
+    assert verdict.cases_passed == 3

@@ -1,140 +1,141 @@
-"""Lesson 02 checkers: solutions pass, untouched stubs are 'todo', classic mistakes fail loudly."""
-
-import contextlib
+"""Lesson 02 checkers: solutions pass, untouched stubs are 'todo', typical mistakes are named."""
 
 import pytest
 from exercise_support import assert_failed, assert_todo, load_solutions, todo
 
 from gas_lab.lessons.exercises.lesson02 import (
-    check_average_gradients,
-    check_ddp_accumulation_step,
-    check_gas_for,
+    buckets,
+    check_bucketed_average,
+    check_replicas,
+    drifting_replicas,
 )
 
 SOL = load_solutions(2)
 
 
-# ---------------------------------------------------------------- exercise 3 (one process)
-def test_gas_for_solution_passes():
-    verdict = check_gas_for(SOL.gas_for).raise_if_failed()
-    assert verdict.cases_passed == verdict.cases_total == 4
+def test_bucket_rule():
+    assert buckets([128, 32, 64, 8], 1 << 20) == [232]
+    assert buckets([128, 32, 64, 8], 128) == [128, 104]
+    assert buckets([128, 32, 64, 8], 100) == [128, 96, 8]
+    assert buckets([128, 32, 64, 8], 40) == [128, 32, 64, 8]
 
 
-def test_gas_for_stub_is_todo():
-    assert_todo(check_gas_for(todo))
+@pytest.mark.ranks
+@pytest.mark.parametrize(
+    ("check", "solution"),
+    [(check_bucketed_average, SOL.bucketed_average), (check_replicas, SOL.train_replicas)],
+)
+def test_solutions_pass_and_stubs_are_todo(cluster, check, solution):
+    verdict = check(solution, cluster).raise_if_failed()
+    assert verdict.cases_passed == verdict.cases_total >= 2
+    assert_todo(check(todo, cluster))
 
 
-def test_gas_for_forgetting_the_world_size_is_named():
-    assert_failed(
-        check_gas_for(lambda b, m, w: b // m), "global 16, micro 2, world 2", "world size"
-    )
-
-
-def test_gas_for_rounding_down_instead_of_refusing_is_caught():
-    verdict = check_gas_for(lambda b, m, w: b // (m * w))
-    assert_failed(verdict, "global 12, micro 2, world 4", "returned 1", "1.5", "ValueError")
-    assert verdict.cases_passed == 2
-
-
-# ---------------------------------------------------------------- exercises 1 and 2 (2 ranks)
-def _sum_only(model):
+# ---------------------------------------------------------------- exercise 1
+def _per_tensor(grads, bucket_bytes):
     import torch.distributed as dist
 
-    for p in model.parameters():
-        dist.all_reduce(p.grad)
+    for g in grads:
+        dist.all_reduce(g)
+        g /= dist.get_world_size()
 
 
-def _no_communication(model):
-    pass
-
-
-def _naive(model, optimizer, micro_batches, loss_fn):
-    for x, y in micro_batches:
-        (loss_fn(model(x), y) / len(micro_batches)).backward()
-    optimizer.step()
-    optimizer.zero_grad()
-
-
-def _no_sync_around_backward_only(model, optimizer, micro_batches, loss_fn):
-    n = len(micro_batches)
-    for i, (x, y) in enumerate(micro_batches):
-        loss = loss_fn(model(x), y) / n  # forward OUTSIDE no_sync: the documented trap
-        with model.no_sync() if i < n - 1 else contextlib.nullcontext():
-            loss.backward()
-    optimizer.step()
-    optimizer.zero_grad()
-
-
-def _never_syncs(model, optimizer, micro_batches, loss_fn):
-    with model.no_sync():
-        for x, y in micro_batches:
-            (loss_fn(model(x), y) / len(micro_batches)).backward()
-    optimizer.step()
-    optimizer.zero_grad()
-
-
-def _forgot_divide(model, optimizer, micro_batches, loss_fn):
-    n = len(micro_batches)
-    for i, (x, y) in enumerate(micro_batches):
-        with model.no_sync() if i < n - 1 else contextlib.nullcontext():
-            loss_fn(model(x), y).backward()
-    optimizer.step()
-    optimizer.zero_grad()
-
-
-@pytest.mark.ranks
-def test_rank_solutions_pass_and_stubs_are_todo(cluster):
-    for check, solution in (
-        (check_average_gradients, SOL.average_gradients),
-        (check_ddp_accumulation_step, SOL.ddp_accumulation_step),
-    ):
-        verdict = check(solution, cluster).raise_if_failed()
-        assert verdict.cases_passed == verdict.cases_total == 2
-        assert_todo(check(todo, cluster))
-
-
-@pytest.mark.ranks
-def test_average_gradients_mistakes_are_named(cluster):
-    assert_failed(
-        check_average_gradients(_sum_only, cluster), "batch seed 0", "2x", "SUM", "world size"
-    )
-    assert_failed(
-        check_average_gradients(_no_communication, cluster),
-        "batch seed 0",
-        "its own gradient",
-        "no all-reduce",
-    )
-
-
-def _grad_of_the_wrong_thing(model):
+def _no_copy_back(grads, bucket_bytes):
+    import torch
     import torch.distributed as dist
 
-    for p in model.parameters():
-        dist.all_reduce(p.grad.grad)  # .grad of a gradient is None: all_reduce refuses it
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat)
+    flat /= dist.get_world_size()
+
+
+def _sum(grads, bucket_bytes):
+    import torch.distributed as dist
+
+    for g in grads:
+        dist.all_reduce(g)
+
+
+def _always_one_bucket(grads, bucket_bytes):
+    import torch.distributed as dist
+
+    from gas_lab.dp import all_reduce_mean
+
+    all_reduce_mean(grads, dist.group.WORLD)  # the lesson's one flat buffer, whatever the cap
 
 
 @pytest.mark.ranks
-def test_average_gradients_error_on_a_rank_is_reported(cluster):
-    verdict = check_average_gradients(_grad_of_the_wrong_thing, cluster)
-    assert verdict.status == "failed", verdict.message
-    assert "raised RankFailure: on rank 0:" in verdict.message, verdict.message
-
-
-@pytest.mark.ranks
-def test_ddp_step_mistakes_are_named(cluster):
-    for wrong in (_naive, _no_sync_around_backward_only):
-        verdict = check_ddp_accumulation_step(wrong, cluster)
-        assert_failed(verdict, "N = 3 micro-batches", "right parameters", "3 all-reduces")
-        assert "forward as well as the backward" in verdict.message
-        assert verdict.cases_passed == 1  # with N = 1 every loop reduces exactly once
+def test_bucket_mistakes_are_named(cluster):
     assert_failed(
-        check_ddp_accumulation_step(_never_syncs, cluster),
-        "N = 1 micro-batches",
-        "drifted apart",
-        "0 all-reduces",
+        check_bucketed_average(_per_tensor, cluster),
+        "one bucket holds everything",
+        "one all-reduce per tensor",
+        "[232]",
     )
     assert_failed(
-        check_ddp_accumulation_step(_forgot_divide, cluster),
-        "N = 3 micro-batches",
-        "3x too large",
+        check_bucketed_average(_no_copy_back, cluster), "one bucket holds everything", "copy"
+    )
+    assert_failed(check_bucketed_average(_sum, cluster), "one bucket holds everything", "2x")
+    verdict = check_bucketed_average(_always_one_bucket, cluster)
+    assert_failed(verdict, "128-byte buckets", "a bucket of 232 bytes is larger")
+    assert verdict.cases_passed == 1
+
+
+# ---------------------------------------------------------------- exercise 2
+def _every_rank_seeded_as_rank_1(steps, n, lr=0.1):  # equal replicas, rank 1's weights
+    import torch
+
+    from gas_lab.lessons.exercises import lesson02
+
+    seed = torch.manual_seed
+    torch.manual_seed = lambda _: seed(lesson02.SEED + 1)  # what drifting_replicas calls
+    try:
+        return lesson02.drifting_replicas(steps, n, lr)
+    finally:
+        torch.manual_seed = seed
+
+
+def _reduce_per_parameter(steps, n, lr=0.1):
+    import torch
+    import torch.distributed as dist
+
+    from gas_lab.lessons.exercises.lesson02 import SEED
+    from gas_lab.lessons.toys import flat_params, micro_batch, tiny_model
+
+    rank, model = dist.get_rank(), tiny_model(SEED)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    for step in range(steps):
+        for m in range(n):
+            x, y = micro_batch(SEED, step, m, rank, 2)
+            (torch.nn.functional.mse_loss(model(x), y) / n).backward()
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+            p.grad /= dist.get_world_size()
+        optimizer.step()
+        optimizer.zero_grad()
+    return flat_params(model)
+
+
+@pytest.mark.ranks
+def test_the_given_loop_is_measured_and_explained(cluster):
+    assert_failed(
+        check_replicas(drifting_replicas, cluster),
+        "1 step(s) of 2 micro-batches",
+        "apart after 1 steps",
+        "exactly as far as their weights were before the first step",
+    )
+
+
+@pytest.mark.ranks
+def test_replica_mistakes_are_named(cluster):
+    assert_failed(
+        check_replicas(_every_rank_seeded_as_rank_1, cluster),
+        "1 step(s) of 2 micro-batches",
+        "the ranks agree",
+        "rank 0's initial weights",
+    )
+    assert_failed(
+        check_replicas(_reduce_per_parameter, cluster),
+        "1 step(s) of 2 micro-batches",
+        "right parameters, but 4 all-reduces in 1 steps",
     )

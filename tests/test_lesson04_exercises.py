@@ -1,108 +1,88 @@
-"""Lesson 04 checkers: solutions pass, untouched stubs are 'todo', classic mistakes fail loudly."""
+"""Lesson 04 checkers: solutions pass, untouched stubs are 'todo', typical mistakes are named."""
 
 import pytest
-from exercise_support import assert_failed, assert_todo, load_solutions, todo, without_launcher_env
+from exercise_support import assert_failed, assert_todo, load_solutions, todo
 
-from gas_lab.lessons.exercises.lesson04 import check_loss_divisor, check_rpc_step
-
-
-@pytest.fixture(autouse=True)
-def single_process(monkeypatch):
-    without_launcher_env(monkeypatch)
-
+from gas_lab.lessons.exercises.lesson04 import (
+    check_rpc_step,
+    check_sample_weights,
+    hanging_step,
+)
 
 SOL = load_solutions(4)
+pytestmark = pytest.mark.ranks
 
 
-# ---------------------------------------------------------------- exercise 1 (one process)
-def test_rpc_step_solution_passes_and_stub_is_todo():
-    verdict = check_rpc_step(SOL.rpc_step).raise_if_failed()
-    assert verdict.cases_passed == verdict.cases_total == 2
-    assert_todo(check_rpc_step(todo))
+@pytest.mark.parametrize(
+    ("check", "solution"),
+    [(check_sample_weights, SOL.sample_weighted_losses), (check_rpc_step, SOL.rpc_step)],
+)
+def test_solutions_pass_and_stubs_are_todo(cluster, check, solution):
+    verdict = check(solution, cluster).raise_if_failed()
+    assert verdict.cases_passed == verdict.cases_total == 3
+    assert_todo(check(todo, cluster))
 
 
-def _default_scale(engine, micro_batches, loss_fn):
+# ---------------------------------------------------------------- exercise 1
+def _lessons_divisor(losses):  # lesson 04's fixed_divisor: right for micro-batches, not samples
+    import torch.distributed as dist
+
+    from gas_lab.dp import global_count
+
+    divisor = global_count(len(losses)) / dist.get_world_size()
+    return [x.mean() / divisor for x in losses]
+
+
+def _own_samples(losses):
+    samples = sum(len(x) for x in losses)
+    return [x.sum() / samples for x in losses]
+
+
+def _no_world_size(losses):
+    from gas_lab.dp import global_count
+
+    samples = global_count(sum(len(x) for x in losses))
+    return [x.sum() / samples for x in losses]
+
+
+@pytest.mark.parametrize(
+    ("wrong", "case", "words"),
+    [
+        (_lessons_divisor, "a ragged last micro-batch", ["every MICRO-BATCH weighs the same"]),
+        (_own_samples, "a ragged last micro-batch", ["every", "RANK weighs the same"]),
+        (_no_world_size, "equal micro-batches, same count on every rank", ["2x too small"]),
+    ],
+)
+def test_sample_weight_mistakes_are_named(cluster, wrong, case, words):
+    assert_failed(check_sample_weights(wrong, cluster), case, *words)
+
+
+def test_wrong_number_of_losses_is_reported(cluster):
+    verdict = check_sample_weights(lambda losses: losses[:1], cluster)
+    assert verdict.status == "failed" and "one loss per micro-batch" in verdict.message
+
+
+# ---------------------------------------------------------------- exercise 2
+def _count_moved_but_step_skipped(engine, micro_batches, loss_fn):
+    import torch.distributed as dist
+
+    from gas_lab.dp import global_count
+
+    divisor = global_count(len(micro_batches)) / dist.get_world_size()
     for x, y in micro_batches:
-        engine.backward(loss_fn(engine(x), y))
-    engine.step()
-
-
-def _step_every_micro_batch(engine, micro_batches, loss_fn):
-    for x, y in micro_batches:
-        engine.backward(loss_fn(engine(x), y) / len(micro_batches), scale_wrt_gas=False)
+        engine.backward(loss_fn(engine(x), y) / divisor, scale_wrt_gas=False)
+    if micro_batches:
         engine.step()
 
 
-def _plain_backward(engine, micro_batches, loss_fn):
-    for x, y in micro_batches:
-        (loss_fn(engine(x), y) / len(micro_batches)).backward()
-    engine.step()
+def test_the_given_handler_fails_fast_on_its_count(cluster):
+    verdict = check_rpc_step(hanging_step, cluster)
+    assert_failed(verdict, "same N on every rank", "all-reduced the count 2 times in step 0")
+    assert verdict.cases_passed == 0
 
 
-def test_rpc_step_default_scaling_is_named():
-    verdict = check_rpc_step(_default_scale)
-    assert_failed(verdict, "steps of [3, 5, 2] micro-batches (GAS 4)", "divided by GAS = 4", "N/4")
-    assert verdict.cases_passed == 1  # N == GAS: the default is right
-
-
-def test_rpc_step_stepping_every_micro_batch_is_named():
-    assert_failed(
-        check_rpc_step(_step_every_micro_batch),
-        "steps of [4] micro-batches (GAS 4)",
-        "4 optimizer updates for 1 steps",
-        "EVERY step() updates",
-    )
-
-
-def test_rpc_step_plain_backward_is_refused():
-    # Refused at ZeRO stage 0 from inside loss.backward(), as by DeepSpeed.
-    assert_failed(
-        check_rpc_step(_plain_backward),
-        "steps of [4] micro-batches (GAS 4)",
-        "RejectedCombination",
-        "loss.backward()",
-    )
-
-
-# ---------------------------------------------------------------- exercise 2 (2 ranks)
-def _own_count(n):
-    return n
-
-
-def _global_count_only(n):
-    import torch
-    import torch.distributed as dist
-
-    total = torch.tensor([float(n)])
-    dist.all_reduce(total)
-    return total.item()
-
-
-@pytest.mark.ranks
-def test_loss_divisor_solution_passes_and_stub_is_todo(cluster):
-    verdict = check_loss_divisor(SOL.loss_divisor, cluster).raise_if_failed()
-    assert verdict.cases_passed == verdict.cases_total == 3
-    assert_todo(check_loss_divisor(todo, cluster))
-
-
-@pytest.mark.ranks
-def test_loss_divisor_own_count_is_named(cluster):
-    verdict = check_loss_divisor(_own_count, cluster)
-    assert_failed(
-        verdict,
-        "N differs between ranks",
-        "rank 0: 3, rank 1: 1",
-        "every RANK weighs the same",
-        "off by",
-    )
-    assert verdict.cases_passed == 1  # equal N on every rank: the own count is right
-
-
-@pytest.mark.ranks
-def test_loss_divisor_missing_world_size_is_named(cluster):
-    assert_failed(
-        check_loss_divisor(_global_count_only, cluster),
-        "same N on every rank",
-        "2x too small",
-        "global count / world size",
-    )
+def test_a_rank_skipping_step_hangs_and_is_explained(cluster):
+    verdict = check_rpc_step(_count_moved_but_step_skipped, cluster)
+    assert_failed(verdict, "a rank with nothing to do", "the ranks hung", "same collectives")
+    assert verdict.cases_passed == 2
+    assert cluster.run(lambda: 1) == [1, 1]  # restarted and usable

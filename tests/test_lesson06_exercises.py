@@ -1,103 +1,111 @@
 """Lesson 06 checkers: solutions pass, untouched stubs are 'todo', plausible mistakes fail."""
 
+import dataclasses
+
 import pytest
 from exercise_support import assert_failed, assert_todo, load_solutions, todo
 
 from gas_lab.lessons.exercises.lesson06 import (
     SCENARIOS,
+    check_new_rule,
     check_predictions,
-    check_refusal_rules,
-    expected,
-    initialize_cases,
+    describe,
+    new_cases,
+    predict_with,
 )
 from gas_lab.rules import prediction
 
 SOL = load_solutions(6)
-CHECKS = [
-    (check_predictions, SOL.my_predictions),
-    (check_refusal_rules, SOL.refused_at_initialize),
-]
 
 
-@pytest.mark.parametrize(("check", "solution"), CHECKS)
-def test_solution_passes(check, solution):
-    verdict = check(solution).raise_if_failed()
-    assert verdict.status == "passed" and verdict.cases_passed == verdict.cases_total >= 8
+def test_scenarios_are_measured_cases_the_key_predicts():
+    cases = {c["id"]: c for c in prediction.measured_matrix()["cases"]}
+    outcomes = {cases[i]["outcome"] for i in SCENARIOS.values()}
+    assert outcomes == {"accepted", "rejected"}
+    for case_id in SCENARIOS.values():
+        assert "then:" in describe(cases[case_id])
 
 
-@pytest.mark.parametrize(("check", "_solution"), CHECKS)
-def test_untouched_stub_is_todo(check, _solution):
-    assert_todo(check(todo))
+def test_the_solution_rule_changes_only_the_new_cases():
+    rule = SOL.zero_pipeline_rule()
+    fired = {c["id"]: predict_with(rule, c)[0] for c in new_cases()}
+    assert fired["pipeline/stage=2/managed=True"] is rule
+    assert fired["pipeline/stage=2/managed=False"].name == "unmanaged_pipeline"  # known first
+
+
+@pytest.mark.ranks
+@pytest.mark.parametrize(
+    ("check", "solution"),
+    [(check_predictions, SOL.my_predictions), (check_new_rule, SOL.zero_pipeline_rule)],
+)
+def test_solutions_pass_and_stubs_are_todo(cluster, check, solution):
+    verdict = check(solution, cluster).raise_if_failed()
+    assert verdict.cases_passed == verdict.cases_total >= 5
+    assert_todo(check(todo, cluster))
 
 
 # ---------------------------------------------------------------- exercise 1
-def test_the_key_covers_every_answer_and_comes_from_the_data():
-    answers = {letter: expected(s)[0] for letter, s in SCENARIOS.items()}
-    assert set(answers.values()) == {"accepted", "rejected", "silently wrong"}
-    # A rejection in the key is a rule that the measured matrix confirms (tests/test_rules.py).
-    for letter, s in SCENARIOS.items():
-        if answers[letter] == "rejected":
-            assert prediction.predict(s.config, s.ops)[0] is not None
+@pytest.mark.ranks
+@pytest.mark.parametrize(
+    ("letter", "wrong", "words"),
+    [
+        ("H", "accepted", ["measured now on DeepSpeed", "no_sync()", "no_sync_stage23"]),
+        ("E", "loss.backward", ["'loss.backward'", "accepted"]),
+        ("F", "accepted", ["at initialize()", "unmanaged_overlap_comm"]),
+    ],
+)
+def test_wrong_predictions_are_explained(cluster, letter, wrong, words):
+    answers = {**SOL.my_predictions(), letter: wrong}
+    assert_failed(check_predictions(lambda: answers, cluster), f"scenario {letter}", *words)
 
 
-def test_believing_the_overlap_message_fails_on_stage_3():
-    def believes_message():
-        return {**SOL.my_predictions(), "B": "rejected"}
-
-    assert_failed(
-        check_predictions(believes_message), "scenario B", "you said 'rejected'", "'accepted'"
-    )
-
-
-def test_n_not_gas_answered_accepted_is_named():
-    def misses_scaling():
-        return {**SOL.my_predictions(), "C": "accepted"}
-
-    assert_failed(check_predictions(misses_scaling), "scenario C", "N/GAS", "scale_wrt_gas=False")
-
-
-def test_missing_answer_and_bad_word_are_reported():
-    partial = {k: v for k, v in SOL.my_predictions().items() if k != "E"}
-    assert_failed(check_predictions(lambda: partial), "scenario E", "got None")
-    verdict = check_predictions(lambda: {**SOL.my_predictions(), "A": "refused"})
-    assert_failed(verdict, "scenario A", "'refused'")
-    assert check_predictions(lambda: ["rejected"]).message.count("TypeError") == 1
+@pytest.mark.ranks
+def test_unknown_answers_are_reported(cluster):
+    answers = {**SOL.my_predictions(), "A": "rejected"}
+    assert_failed(check_predictions(lambda: answers, cluster), "scenario A", "answer one of")
 
 
 # ---------------------------------------------------------------- exercise 2
-def test_refusal_cases_are_the_measured_ones():
-    cases = initialize_cases()
-    assert len(cases) >= 20
-    assert {c["outcome"] for c in cases} == {"accepted", "rejected"}
+def _changed(**fields):
+    return lambda: dataclasses.replace(SOL.zero_pipeline_rule(), **fields)
 
 
-def test_overlap_rule_copied_from_the_message_fails_on_stage_3():
-    def from_message(config):  # "overlap_comm only with ZeRO stage 2"
-        zero = config.get("zero_optimization", {})
-        if config.get("managed_gradient_accumulation", True) is False and zero.get("overlap_comm"):
-            return zero.get("stage", 0) != 2
-        return SOL.refused_at_initialize(config)
+@pytest.mark.ranks
+@pytest.mark.parametrize(
+    ("wrong", "case", "words"),
+    [
+        (
+            _changed(applies=lambda s: s.pipeline),
+            "every case of the committed matrix",
+            ["pipeline/stage=0/managed=True", "DeepSpeed accepts it"],
+        ),
+        (
+            _changed(applies=lambda s: s.pipeline and s.config.zero_optimization.stage == 2),
+            "new: pipeline/stage=3/managed=True, measured now",
+            ["the rules accept it"],
+        ),
+        (
+            _changed(deepspeed_raises="ValueError"),
+            "new: pipeline/stage=2/managed=True, measured now",
+            ["AssertionError", "says ValueError"],
+        ),
+        (
+            _changed(deepspeed_message="ZeRO-3 is incompatible"),
+            "new: pipeline/stage=2/managed=True, measured now",
+            ["message starts"],
+        ),
+        (
+            _changed(action="train_batch", moment="call"),
+            "new: pipeline/stage=2/managed=True, measured now",
+            ["raises at initialize"],
+        ),
+    ],
+)
+def test_rule_mistakes_are_named(cluster, wrong, case, words):
+    assert_failed(check_new_rule(wrong, cluster), case, *words)
 
-    assert_failed(
-        check_refusal_rules(from_message),
-        "grid/stage=3/managed=False/overlap_comm=True/offload=none/precision=fp32",
-        "DeepSpeed accepts it (measured)",
-    )
 
-
-def test_forgetting_amp_when_disabled_fails():
-    def amp_only_if_enabled(config):
-        if "amp" in config:
-            return config["amp"].get("enabled", False)
-        return SOL.refused_at_initialize(config)
-
-    assert_failed(
-        check_refusal_rules(amp_only_if_enabled),
-        "amp/managed=True/enabled=False",
-        "refuses it (measured: DeepSpeedConfigError",
-    )
-
-
-def test_non_bool_answer_is_reported():
-    verdict = check_refusal_rules(lambda config: "no")
-    assert verdict.status == "failed" and "return True or False" in verdict.message
+@pytest.mark.ranks
+def test_not_a_rule_is_reported(cluster):
+    verdict = check_new_rule(lambda: "stage >= 2", cluster)
+    assert verdict.status == "failed" and "TypeError" in verdict.message

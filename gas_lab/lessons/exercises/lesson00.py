@@ -1,92 +1,143 @@
-"""Checker for lesson 00's exercise: a mean across ranks with ``torch.distributed``."""
+"""Checkers for lesson 00's exercises: two collectives the lesson did not show.
+
+Lesson 00 shows one collective, ``all_reduce`` with its default sum. The exercises need two
+more ideas: ``all_gather`` wants tensors of the same size on every rank (so variable-length
+data travels padded, after its lengths), and ``all_reduce`` takes other operations than a
+sum (so the ranks can agree on a yes/no without anyone summing losses).
+Both run the learner's function on every rank, so their checkers take the ``cluster``.
+"""
 
 from __future__ import annotations
 
+import math
+
 from gas_lab.lessons.exercises.on_ranks import run_on_ranks
 from gas_lab.lessons.exercises.verdict import Verdict, check_cases
+from gas_lab.runtime.rank_errors import RankError, RankStallError
 
 
-def _mean_case(fn, values):
-    """Runs on each rank: give the learner's function this rank's tensor."""
+# ---------------------------------------------------------------- exercise 1: ragged all_gather
+def _values(rank: int, length: int) -> list[float]:
+    return [float(10 * rank + i + 1) for i in range(length)]  # never 0.0, unlike padding
+
+
+def _gather_case(fn, lengths):
+    """Runs on each rank: this rank's 1-D tensor of its own length -> the learner's result."""
     import torch
     import torch.distributed as dist
 
-    x = torch.tensor(values[dist.get_rank()], dtype=torch.float32)
-    out = fn(x.clone())
-    return None if out is None else torch.as_tensor(out).tolist()
+    rank = dist.get_rank()
+    out = fn(torch.tensor(_values(rank, lengths[rank]), dtype=torch.float32))
+    return None if out is None else [float(v) for v in torch.as_tensor(out).reshape(-1)]
 
 
-def check_mean_across_ranks(fn, cluster) -> Verdict:
-    """Run ``fn`` on every rank with a different tensor per rank; expect the mean on all."""
+def check_gather_ragged(fn, cluster) -> Verdict:
+    """``fn(x)`` on every rank, ``x`` of a different length per rank: expect every rank's values,
+    rank 0's first, with no padding left in, on every rank."""
     w = cluster.world_size
     cases = {
-        "one number per rank": [[float(r + 1)] for r in range(w)],
-        "a vector per rank": [[float(r), 10.0 * r, -1.0] for r in range(w)],
+        "equal lengths": [3] * w,
+        "a different length on every rank": [2 + 3 * r for r in range(w)],
+        "one rank with nothing": [0] + [4] * (w - 1),
     }
 
-    def run(values):
-        return lambda: run_on_ranks(cluster, _mean_case, fn, values)
+    def run(lengths):
+        def go():
+            try:
+                return run_on_ranks(cluster, _gather_case, fn, lengths, timeout=20)
+            except (RankError, RankStallError) as err:  # gloo refuses unequal all_gather sizes
+                return err
 
-    def judge(values):
-        expected = [sum(col) / w for col in zip(*values, strict=True)]
+        return go
 
-        def problem(results):
+    def judge(lengths):
+        want = [v for r in range(w) for v in _values(r, lengths[r])]
+
+        def problem(results) -> str | None:
+            if isinstance(results, RankError | RankStallError):
+                first = str(results).splitlines()[0]
+                return (
+                    f"the ranks failed ({first}); all_gather needs a tensor of the SAME size "
+                    f"from every rank, and these have {lengths} elements."
+                )
             for rank, got in enumerate(results):
+                if got == want:
+                    continue
                 if got is None:
-                    return f"rank {rank} returned None; return the averaged tensor."
-                if any(abs(a - b) > 1e-6 for a, b in zip(got, expected, strict=True)):
-                    total = [sum(col) for col in zip(*values, strict=True)]
-                    why = " (that is the sum: divide by the world size)" if got == total else ""
-                    return f"rank {rank} returned {got}, expected {expected}{why}."
+                    return f"rank {rank} returned None; return the gathered values."
+                if got == _values(rank, lengths[rank]):
+                    return f"rank {rank} returned only its own values {got}; expected {want}."
+                if [v for v in got if v != 0.0] == want:
+                    return (
+                        f"rank {rank} returned {got}: the padding zeros are still in; cut each "
+                        f"rank's piece to its real length (lengths {lengths})."
+                    )
+                return f"rank {rank} returned {got}, expected {want} (rank 0's values first)."
             return None
 
         return problem
 
     return check_cases(
-        "mean across ranks",
-        [(name, run(v), judge(v)) for name, v in cases.items()],
-        hint="all_reduce sums into the tensor in place on every rank; the mean divides that "
-        "sum by dist.get_world_size().",
+        "all_gather of variable-length data",
+        [(name, run(lengths), judge(lengths)) for name, lengths in cases.items()],
+        "first all_gather the lengths (one number per rank), pad your tensor to the longest, "
+        "all_gather the padded tensors, then keep lengths[r] values of rank r's piece.",
     )
 
 
-def _gather_case(fn, losses):
-    """Runs on each rank: hand the learner's function this rank's loss (a float)."""
+# ---------------------------------------------------------------- exercise 2: skip together
+_HUGE = 3.0e38  # float32's largest is 3.4e38: two of these overflow a float32 sum
+
+
+def _skip_case(fn, losses):
+    """Runs on each rank: this rank's loss -> the learner's verdict (a bool)."""
     import torch.distributed as dist
 
     out = fn(losses[dist.get_rank()])
-    return None if out is None else [float(v) for v in out]
+    return out if out is None else bool(out)
 
 
-def check_losses_from_all_ranks(fn, cluster) -> Verdict:
-    """Run ``fn(loss)`` on every rank with a different loss each; expect every rank's list."""
+def check_any_rank_overflowed(fn, cluster) -> Verdict:
+    """``fn(loss)`` on every rank: True on EVERY rank if any rank's loss is inf or nan."""
     w = cluster.world_size
     cases = {
-        "losses 0.5, 1.5, ...": [0.5 + r for r in range(w)],
-        "equal losses": [2.0] * w,
+        "every loss finite": [0.5 + r for r in range(w)],
+        "nan on the last rank only": [0.5] * (w - 1) + [math.nan],
+        "inf on rank 0 only": [math.inf] + [0.5] * (w - 1),
+        "every loss finite, and huge": [_HUGE] * w,
     }
 
     def judge(losses):
-        def problem(results):
-            for rank, got in enumerate(results):
-                if got is None:
-                    return f"rank {rank} returned None; return the list of all ranks' losses."
-                if got == [losses[rank]]:
-                    return f"rank {rank} returned only its own loss {got}; expected {losses}."
-                if len(got) != w or any(
-                    abs(a - b) > 1e-6 for a, b in zip(got, losses, strict=True)
-                ):
-                    return f"rank {rank} returned {got}, expected {losses} (rank 0 first)."
-            return None
+        want = any(not math.isfinite(v) for v in losses)
+
+        def problem(results) -> str | None:
+            if any(r is None for r in results):
+                return f"a rank returned None ({results}); return True or False."
+            if len(set(results)) > 1:
+                return (
+                    f"the ranks disagree: {results} for losses {losses}. Each rank looked only at "
+                    "its own loss; one rank would skip the step and another would not, and the "
+                    "replicas would drift apart. Combine the ranks' answers with a collective."
+                )
+            if results[0] == want:
+                return None
+            if not want and all(v == _HUGE for v in losses):
+                return (
+                    f"every rank said True, but every loss is finite ({_HUGE:g} on each rank): "
+                    "summing the losses overflowed float32 to inf. Reduce a 0/1 flag (or use "
+                    "op=ReduceOp.MAX on it), not the losses."
+                )
+            return f"every rank said {results[0]} for losses {losses}; expected {want}."
 
         return problem
 
     return check_cases(
-        "losses from all ranks",
+        "skip the step together",
         [
-            (name, lambda v=v: run_on_ranks(cluster, _gather_case, fn, v), judge(v))
+            (name, lambda v=v: run_on_ranks(cluster, _skip_case, fn, v), judge(v))
             for name, v in cases.items()
         ],
-        hint="all_gather fills a list of world-size tensors, one per rank in rank order, on every "
-        "rank; allocate that list first, then convert each tensor with .item().",
+        "turn your own verdict into a number (1.0 if not math.isfinite(loss) else 0.0), "
+        "all_reduce it with op=dist.ReduceOp.MAX (or a SUM, then > 0), and return that on every "
+        "rank.",
     )

@@ -1,8 +1,11 @@
-"""Checkers for lesson 01 (accumulation on one device).
+"""Checkers for lesson 01's exercises (accumulation on one device).
 
-Each ``check_*`` runs the learner's function on small cases, compares with the library's
-reference, and returns a :class:`Verdict`. Judges recognise the classic mistakes (forgotten
-``/ N``, ``zero_grad()`` inside the loop, mean of means) and say so by name.
+1. :func:`check_per_token_stream`: per-token normalization when the window's token count is
+   known only *after* the last micro-batch (a loader that streams micro-batches and frees each
+   one). The lesson counted the tokens first; here that is impossible.
+2. :func:`check_clipped_step`: a bug hunt. :func:`buggy_clipped_step` has two bugs; the checker
+   measures the parameters of the learner's fixed loop against one big clipped batch, and names
+   the bug that is left by running each known mistake too.
 """
 
 from __future__ import annotations
@@ -12,8 +15,6 @@ from collections.abc import Callable
 import torch
 
 from gas_lab.accumulate import (
-    Batch,
-    Grads,
     accumulate_gradients,
     compare_grads,
     full_batch_gradient,
@@ -23,193 +24,221 @@ from gas_lab.accumulate import (
     token_loss,
 )
 from gas_lab.lessons.exercises.verdict import Verdict, check_cases
-from gas_lab.lessons.toys import TinySeqModel, regression_batch, regression_mlp, sequence_batch
+from gas_lab.lessons.toys import (
+    TinySeqModel,
+    flat_params,
+    regression_batch,
+    regression_mlp,
+    sequence_batch,
+)
 
 TOL = 1e-5  # max relative gradient error accepted: float32 noise is ~1e-7
 
 
-def _close(got: Grads, ref: Grads) -> bool:
-    return compare_grads(got, ref).max_rel < TOL
+class LookedAhead(RuntimeError):
+    """Raised by the stream when micro-batch k+1 is asked for before micro-batch k's backward."""
 
 
-def _scaled(grads: Grads, factor: float) -> Grads:
-    return {k: v * factor for k, v in grads.items()}
+# ---------------------------------------------------------------- exercise 1: a streamed window
+def _stream(micro_batches, backwards: list[int]):
+    """Hands out micro-batch k only after k backward passes reached the model (a loader that
+    frees each micro-batch: no looking ahead at the window's token count)."""
+    for k, mb in enumerate(micro_batches):
+        if backwards[0] < k:
+            raise LookedAhead(
+                f"micro-batch {k + 1} was asked for before micro-batch {k}'s backward(): this "
+                "stream frees a micro-batch once the next is handed out, so the window's token "
+                "count cannot be known before the last backward()"
+            )
+        yield mb
 
 
-# ---------------------------------------------------------------- exercise 1: the loop
-def _loop_case(fn: Callable, n_micro: int, stale: bool) -> Callable[[], dict]:
-    def run() -> dict:
-        batch = regression_batch(16, seed=n_micro)
-        micro = split_batch(batch, n_micro)
-        model = regression_mlp(seed=1)
-        if stale:  # gradients left over from a "previous step"
-            for p in model.parameters():
-                p.grad = torch.ones_like(p)
-        fn(model, micro, mse_loss)
-        last = full_batch_gradient(regression_mlp(seed=1), micro[-1], mse_loss, "per_sample")
-        return {
-            "got": grads_of(model),
-            "n": n_micro,
-            "last": last,
-            "ref": full_batch_gradient(regression_mlp(seed=1), batch, mse_loss, "per_sample"),
-        }
-
-    return run
-
-
-def _judge_loop(r: dict) -> str | None:
-    got, ref, n = r["got"], r["ref"], r["n"]
-    if _close(got, ref):
-        return None
-    if n > 1 and _close(got, _scaled(ref, n)):
-        return f"the gradient is {n}x the full-batch one: each micro-batch loss needs '/ N'."
-    if n > 1 and (_close(got, _scaled(r["last"], 1 / n)) or _close(got, r["last"])):
-        return (
-            "the gradient equals the LAST micro-batch's alone: zero_grad() runs inside "
-            "the loop and erases the earlier micro-batches."
-        )
-    if _close(got, {k: v + 1 for k, v in ref.items()}):
-        return "the result still contains the stale gradient (all ones): zero it before the loop."
-    return f"gradient differs from the full batch: {compare_grads(got, ref)}."
-
-
-def check_accumulation_loop(fn: Callable) -> Verdict:
-    """Exercise 1: ``fn(model, micro_batches, loss_fn)`` leaves the full-batch mean gradient."""
-    cases = [
-        ("one micro-batch", _loop_case(fn, 1, stale=False), _judge_loop),
-        ("4 equal micro-batches", _loop_case(fn, 4, stale=False), _judge_loop),
-        ("stale gradients from a previous step", _loop_case(fn, 4, stale=True), _judge_loop),
-    ]
-    return check_cases(
-        "accumulation loop",
-        cases,
-        "zero the gradients once before the loop, then for each micro-batch "
-        "call backward() on loss_fn(model, mb).mean() / N.",
-    )
-
-
-# ---------------------------------------------------------------- exercise 2: ragged weights
-def _ragged_case(fn: Callable, sizes: list[int]) -> Callable[[], dict]:
-    def run() -> dict:
-        weights = [float(w) for w in fn(list(sizes))]
-        return {"weights": weights, "sizes": sizes}
-
-    return run
-
-
-def _judge_ragged(r: dict) -> str | None:
-    sizes, got = r["sizes"], r["weights"]
-    want = [s / sum(sizes) for s in sizes]
-    if len(got) == len(want) and max(abs(g - w) for g, w in zip(got, want, strict=True)) < 1e-6:
-        return None
-    shown = [round(w, 3) for w in got]
-    if len(got) != len(sizes):
-        return f"expected {len(sizes)} weights (one per micro-batch), got {len(got)}: {shown}."
-    # measure what these weights would do to a real gradient
-    batch = regression_batch(sum(sizes), seed=3)
-    micro = split_batch(batch, sizes)
-    model = regression_mlp(seed=1)
-    model.zero_grad()
-    for w, mb in zip(got, micro, strict=True):
-        (w * mse_loss(model, mb).mean()).backward()
-    err = compare_grads(grads_of(model), full_batch_gradient(regression_mlp(1), batch, mse_loss))
-    name = (
-        " (that is mean of means: 1/N each)"
-        if all(abs(g - 1 / len(sizes)) < 1e-6 for g in got)
-        else ""
-    )
-    return (
-        f"expected weights {[round(w, 3) for w in want]}, got {shown}{name}; "
-        f"the accumulated gradient is off by {err.max_rel:.1%} (max relative)."
-    )
-
-
-def check_ragged_weights(fn: Callable) -> Verdict:
-    """Exercise 2: ``fn(sizes)`` gives each micro-batch's weight on its mean loss."""
-    cases = [
-        (f"sizes {s}", _ragged_case(fn, s), _judge_ragged)
-        for s in ([4, 4, 4], [4, 4, 2], [1, 5, 2, 8])
-    ]
-    return check_cases(
-        "weights for a ragged split",
-        cases,
-        "a micro-batch's mean loss stands for size_i samples out of sum(sizes); "
-        "weigh it by its share of the window, not by 1/N.",
-    )
-
-
-# ---------------------------------------------------------------- exercise 3: per-token
-def _token_case(fn: Callable, lengths: list[int], sizes: list[int]) -> Callable[[], dict]:
+def _stream_case(fn: Callable, lengths: list[int], sizes: list[int]) -> Callable[[], dict]:
     def run() -> dict:
         batch = sequence_batch(lengths, seed=len(lengths))
         micro = split_batch(batch, sizes)
-        model = TinySeqModel(seed=2)
-        model.zero_grad()
-        losses = fn([token_loss(model, mb) for mb in micro], [mb.mask for mb in micro])
-        if len(losses) != len(micro):
-            raise ValueError(
-                f"expected {len(micro)} losses (one per micro-batch), got {len(losses)}"
-            )
-        detached = not all(torch.is_tensor(x) and x.requires_grad for x in losses)
-        if not detached:
-            torch.stack([x.reshape(()) for x in losses]).sum().backward()
+        model, backwards = TinySeqModel(seed=2), [0]
+        last = list(model.parameters())[-1]  # the output bias: every real token reaches it
+        last.register_post_accumulate_grad_hook(
+            lambda p: backwards.__setitem__(0, backwards[0] + 1)
+        )
+        fn(model, _stream(micro, backwards), token_loss)
         return {
             "got": grads_of(model),
-            "detached": detached,
             "micro": micro,
+            "tokens": batch.n_tokens,
+            "positions": batch.mask.numel(),
             "ref": full_batch_gradient(TinySeqModel(seed=2), batch, token_loss, "per_token"),
         }
 
     return run
 
 
-def _judge_tokens(r: dict) -> str | None:
-    if r["detached"]:
-        return "the returned losses carry no gradient: keep them tensors (no .item()/.detach())."
-    if _close(r["got"], r["ref"]):
+def _running_count(micro) -> dict:
+    """The mistake of dividing each micro-batch by the tokens seen *so far*."""
+    model, seen = TinySeqModel(seed=2), 0
+    for mb in micro:
+        seen += mb.n_tokens
+        ((token_loss(model, mb) * mb.mask).sum() / seen).backward()
+    return grads_of(model)
+
+
+def _judge_stream(r: dict) -> str | None:
+    got, ref = r["got"], r["ref"]
+    err = compare_grads(got, ref)
+    if err.max_rel < TOL:
         return None
-    for norm, what in [
-        ("mean_of_means", "mean of means (each micro-batch divided by its own token count and N)"),
-        ("per_sample", "per-sample normalization (each sequence averaged first)"),
-    ]:
-        if _close(
-            r["got"], accumulate_gradients(TinySeqModel(seed=2), r["micro"], token_loss, norm)
-        ):
+    off = f"off by {err.max_rel:.1%} (max relative)"
+    # The right direction, a wrong size? Project the gradient on the reference's direction.
+    dot = sum((got[k].double() * ref[k].double()).sum() for k in ref)
+    factor = (dot / sum(ref[k].double().pow(2).sum() for k in ref)).item()
+    if compare_grads(got, {k: v * factor for k, v in ref.items()}).max_rel < TOL:
+        if abs(factor - r["tokens"]) < 1e-3 * r["tokens"]:
             return (
-                f"this is {what}, not per-token; gradient off by "
-                f"{compare_grads(r['got'], r['ref']).max_rel:.1%} (max relative)."
+                f"the gradient is {factor:.0f} x the per-token one: that is the SUM over the "
+                f"window's {r['tokens']} real tokens. Once the stream ends, divide every .grad "
+                "by the count."
             )
-    unmasked = [
-        Batch(mb.x, mb.y, None if mb.mask is None else torch.ones_like(mb.mask))
-        for mb in r["micro"]
-    ]
-    if _close(
-        r["got"], accumulate_gradients(TinySeqModel(seed=2), unmasked, token_loss, "per_token")
-    ):
-        return "padding positions are counted as tokens: multiply by the mask and count mask.sum()."
-    return (
-        f"gradient differs from the full-batch per-token one: {compare_grads(r['got'], r['ref'])}."
-    )
+        if abs(factor * r["positions"] - r["tokens"]) < 1e-3 * r["tokens"]:
+            return (
+                f"padding positions were counted: you divided by {r['positions']} positions, "
+                f"the window has {r['tokens']} real tokens (sum the masks)."
+            )
+        return f"right direction, {factor:.3g} x the per-token gradient's size."
+    if compare_grads(got, _running_count(r["micro"])).max_rel < TOL:
+        return (
+            f"each micro-batch was divided by the tokens seen SO FAR, so early ones weigh "
+            f"more; {off}. Divide once, by the final count, after the last backward()."
+        )
+    mean_of_means = accumulate_gradients(TinySeqModel(seed=2), r["micro"], token_loss)
+    if compare_grads(got, mean_of_means).max_rel < TOL:
+        return f"this is mean of means (each micro-batch divided by its own tokens and N); {off}."
+    return f"the gradient differs from the window's per-token gradient: {err}."
 
 
-def check_per_token_losses(fn: Callable) -> Verdict:
-    """Exercise 3: ``fn(token_losses, masks)`` returns one scalar per micro-batch to backward."""
+def check_per_token_stream(fn: Callable) -> Verdict:
+    """Exercise 1: ``fn(model, stream, loss_fn)`` leaves the window's per-token gradient in
+    ``.grad``; ``stream`` yields masked micro-batches one at a time, no looking ahead."""
     cases = [
-        ("no padding, equal micro-batches", _token_case(fn, [6] * 6, [3, 3]), _judge_tokens),
+        ("one micro-batch", _stream_case(fn, [5, 3, 4], [3]), _judge_stream),
+        ("no padding, equal micro-batches", _stream_case(fn, [6] * 6, [2, 2, 2]), _judge_stream),
         (
             "padding: long then short sequences",
-            _token_case(fn, [8, 8, 7, 3, 2, 1], [3, 3]),
-            _judge_tokens,
+            _stream_case(fn, [8, 8, 7, 3, 2, 1], [3, 3]),
+            _judge_stream,
         ),
         (
             "padding and a ragged last micro-batch",
-            _token_case(fn, [5, 8, 2, 6, 3, 7, 1], [3, 3, 1]),
-            _judge_tokens,
+            _stream_case(fn, [5, 8, 2, 6, 3, 7, 1], [3, 3, 1]),
+            _judge_stream,
         ),
     ]
     return check_cases(
-        "per-token normalization",
+        "per-token normalization, counted after the fact",
         cases,
-        "count the real tokens of the WHOLE window first (sum of all masks), then "
-        "give each micro-batch (losses * mask).sum() / that count.",
+        "backward() each micro-batch's SUMMED token loss ((losses * mask).sum()), count its "
+        "real tokens as you go, and when the stream ends divide every p.grad by the total: "
+        "the gradient of a sum divided by T is the gradient of the per-token mean.",
+    )
+
+
+# ---------------------------------------------------------------- exercise 2: find the bugs
+def buggy_clipped_step(model, optimizer, micro_batches, loss_fn, max_norm):
+    """One SGD step over ``micro_batches`` (their sizes may differ), clipped at ``max_norm``."""
+    optimizer.zero_grad()
+    n = len(micro_batches)
+    for mb in micro_batches:
+        loss = loss_fn(model, mb).mean() / n
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    optimizer.step()
+
+
+def _variant(clip_inside: bool, per_sample: bool, clip: bool = True) -> Callable:
+    """The given loop with each of its bugs kept or fixed (and clipping kept or dropped)."""
+
+    def step(model, optimizer, micro_batches, loss_fn, max_norm):
+        optimizer.zero_grad()
+        total = sum(len(mb) for mb in micro_batches)
+        for mb in micro_batches:
+            weight = len(mb) / total if per_sample else 1 / len(micro_batches)
+            (loss_fn(model, mb).mean() * weight).backward()
+            if clip and clip_inside:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        if clip and not clip_inside:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        optimizer.step()
+
+    return step
+
+
+_REFERENCE = _variant(clip_inside=False, per_sample=True)
+_MISTAKES = {  # the given loop keeps both; the first case that fails names the one left
+    "clip inside": _variant(clip_inside=True, per_sample=True),
+    "mean of means": _variant(clip_inside=False, per_sample=False),
+    "no clipping": _variant(clip_inside=False, per_sample=True, clip=False),
+}
+STEPS, LR = 3, 0.1
+
+
+def _train(step_fn: Callable, sizes: list[int], max_norm: float) -> torch.Tensor:
+    """``STEPS`` steps of SGD with ``step_fn``, each on a fresh batch split into ``sizes``."""
+    model = regression_mlp(0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    for step in range(STEPS):
+        batch = regression_batch(sum(sizes), seed=10 + step)
+        step_fn(model, optimizer, split_batch(batch, sizes), mse_loss, max_norm)
+    return flat_params(model)
+
+
+def _clip_case(fn: Callable, sizes: list[int], max_norm: float):
+    def run():
+        return sizes, max_norm, _train(fn, sizes, max_norm)
+
+    def judge(result) -> str | None:
+        sizes, max_norm, got = result
+        ref = _train(_REFERENCE, sizes, max_norm)
+        err = (got - ref).abs().max().item()
+        if err <= 1e-6:
+            return None
+        for name, mistake in _MISTAKES.items():
+            if (got - _train(mistake, sizes, max_norm)).abs().max().item() > 1e-6:
+                continue
+            if name == "no clipping":
+                return (
+                    f"the parameters are those of a run WITHOUT clipping ({err:.2g} from the "
+                    f"reference): the step must still clip at max_norm = {max_norm:g}, once."
+                )
+            what = {
+                "clip inside": (
+                    "clipping runs after every backward() and rescales the running sum each "
+                    "time: the first micro-batches are shrunk once per later one, the last once"
+                ),
+                "mean of means": (
+                    f"micro-batches of sizes {sizes} all weigh 1/N, so a sample of the small "
+                    "one weighs more than the others"
+                ),
+            }[name]
+            return f"{what}; the parameters are {err:.2g} from the reference after {STEPS} steps."
+        return f"the parameters are {err:.2g} from the reference after {STEPS} steps."
+
+    return run, judge
+
+
+def check_clipped_step(fn: Callable) -> Verdict:
+    """Exercise 2: ``fn(model, optimizer, micro_batches, loss_fn, max_norm)``, the fixed
+    :func:`buggy_clipped_step`: the same parameters as one big batch, clipped at ``max_norm``."""
+    big, small = 100.0, 0.05  # max_norm: never reached, or below every gradient norm here
+    cases = {
+        "equal micro-batches, no clipping needed": ([4, 4, 4, 4], big),
+        "equal micro-batches, clipping active": ([4, 4, 4, 4], small),
+        "ragged micro-batches, no clipping needed": ([4, 4, 2], big),
+        "ragged micro-batches, clipping active": ([4, 4, 2], small),
+    }
+    return check_cases(
+        "find the two bugs in the clipped step",
+        [(name, *_clip_case(fn, *args)) for name, args in cases.items()],
+        "clipping is about the gradient of the whole batch: clip once, after the last "
+        "backward(); and with sizes that differ, weigh each micro-batch's mean by "
+        "len(mb) / (samples in the window), not by 1/N.",
     )

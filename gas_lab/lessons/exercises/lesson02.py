@@ -1,8 +1,13 @@
-"""Checkers for lesson 02 (data parallelism: ranks, averaging, ``no_sync``).
+"""Checkers for lesson 02's exercises (data parallelism: averaging, counting, replicas).
 
-Two exercises run the learner's function on every rank (through
-:func:`~gas_lab.lessons.exercises.on_ranks.run_on_ranks`), so their checkers take the notebook's
-``cluster``; the third is arithmetic.
+1. :func:`check_bucketed_average`: average gradients over ranks in *buckets*, one all-reduce
+   per bucket: the middle ground between one call per tensor and the lesson's one flat
+   buffer. The checker counts the calls and their bytes with ``count_collectives``.
+2. :func:`check_replicas`: a bug hunt. :func:`drifting_replicas` reduces once per step, as the
+   lesson taught, and its ranks still never agree; the checker measures how far apart the
+   ranks end and how far from the one-process reference.
+
+Both run the learner's function on every rank, so their checkers take the ``cluster``.
 """
 
 from __future__ import annotations
@@ -10,206 +15,197 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 
-from gas_lab.config import resolve_batch
+from gas_lab.dp import all_reduce_mean
 from gas_lab.lessons.exercises.on_ranks import run_on_ranks
 from gas_lab.lessons.exercises.verdict import Verdict, check_cases
-from gas_lab.lessons.toys import micro_batch, tiny_model
+from gas_lab.lessons.toys import flat_params, micro_batch, tiny_model
 from gas_lab.measure.parity import reference_params
 
 TOL = 1e-6  # float32 noise on these tiny models is ~1e-8
-LR = 0.1
 
 
-def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    return (a - b).abs().max().item()
+# ---------------------------------------------------------------- exercise 1: buckets
+def buckets(sizes: list[int], bucket_bytes: int) -> list[int]:
+    """Bytes of each bucket by the exercise's rule: walk the tensors in order and start a new
+    bucket when the next one would overflow this one (a tensor bigger than the cap goes alone)."""
+    out: list[int] = []
+    for size in sizes:
+        if out and out[-1] + size <= bucket_bytes:
+            out[-1] += size
+        else:
+            out.append(size)
+    return out
 
 
-# ---------------------------------------------------------------- exercise 1: average gradients
-def _grads(model: torch.nn.Module) -> torch.Tensor:
-    return torch.cat([p.grad.detach().flatten() for p in model.parameters()]).clone()
+def _local_grads(shapes: list[tuple[int, ...]], rank: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + rank)
+    return [torch.randn(shape, generator=g) for shape in shapes]
 
 
-def _gradient_case(fn: Callable, seed: int) -> dict:
-    """On a rank: backward on this rank's 4 samples, then the learner averages the gradients."""
-    import torch.distributed as dist
-
-    model = tiny_model(0)
-    x, y = micro_batch(seed, 0, 0, dist.get_rank(), 4)
-    torch.nn.functional.mse_loss(model(x), y).backward()
-    local = _grads(model)
-    fn(model)
-    return {"got": _grads(model), "local": local}
-
-
-def _full_gradient(seed: int, world: int) -> torch.Tensor:
-    """Reference, in this process: one model, every rank's samples in one mean loss."""
-    model = tiny_model(0)
-    x, y = (
-        torch.cat(t)
-        for t in zip(*[micro_batch(seed, 0, 0, r, 4) for r in range(world)], strict=True)
-    )
-    torch.nn.functional.mse_loss(model(x), y).backward()
-    return _grads(model)
-
-
-def check_average_gradients(fn: Callable, cluster) -> Verdict:
-    """Exercise 1: ``fn(model)`` leaves in every ``.grad`` the average over ranks."""
-    world = cluster.world_size
-
-    def case(seed: int):
-        def run():
-            return seed, run_on_ranks(cluster, _gradient_case, fn, seed)
-
-        return run
-
-    def judge(result) -> str | None:
-        seed, per_rank = result
-        ref = _full_gradient(seed, world)
-        for rank, r in enumerate(per_rank):
-            err = _max_diff(r["got"], ref)
-            if err <= TOL:
-                continue
-            if _max_diff(r["got"], world * ref) <= TOL:
-                return (
-                    f"rank {rank} holds {world}x the full-batch gradient: that is the SUM over "
-                    "ranks; divide by the world size."
-                )
-            if _max_diff(r["got"], r["local"]) <= TOL:
-                return (
-                    f"rank {rank} still holds its own gradient (no all-reduce happened); it is "
-                    f"{err:.2g} away from the full-batch one."
-                )
-            return f"rank {rank}'s gradient is {err:.2g} away from the full-batch gradient."
-        return None
-
-    return check_cases(
-        "average gradients over ranks",
-        [(f"batch seed {s}", case(s), judge) for s in (0, 1)],
-        "for every parameter: dist.all_reduce(p.grad) (a sum, in place), then "
-        "p.grad /= dist.get_world_size().",
-    )
-
-
-# ---------------------------------------------------------------- exercise 2: DDP + no_sync
-def _ddp_case(fn: Callable, n: int, steps: int) -> dict:
-    """On a rank: the learner's accumulation step on a real DDP model, collectives counted."""
-    import torch.distributed as dist
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    from gas_lab.lessons.toys import flat_params
+def _bucket_case(fn: Callable, shapes, bucket_bytes: int) -> dict:
+    """On a rank: this rank's gradients, averaged in place by the learner, collectives counted."""
     from gas_lab.measure.comm import count_collectives
 
-    rank = dist.get_rank()
-    model = tiny_model(0)
-    ddp = DDP(model)
-    ddp.register_comm_hook(None, allreduce_hook)  # routes DDP's all-reduce where we can count it
-    optimizer = torch.optim.SGD(ddp.parameters(), lr=LR)
+    grads = _local_grads(shapes, dist.get_rank())
     with count_collectives() as log:
-        for step in range(steps):
-            batches = [micro_batch(0, step, m, rank, 2) for m in range(n)]
-            fn(ddp, optimizer, batches, torch.nn.functional.mse_loss)
-    return {"params": flat_params(model), "calls": log.count("all_reduce")}
+        fn(grads, bucket_bytes)
+    return {"grads": grads, "calls": [(c.kind, c.bytes) for c in log.calls]}
 
 
-def _sgd_config(n: int, lr: float = LR) -> dict:
+def check_bucketed_average(fn: Callable, cluster) -> Verdict:
+    """Exercise 1: ``fn(grads, bucket_bytes)`` replaces every tensor of ``grads`` by its average
+    over ranks, with one all-reduce per bucket of at most ``bucket_bytes`` bytes."""
+    world = cluster.world_size
+    shapes = [tuple(p.shape) for p in tiny_model(0).parameters()]  # the lesson's 58 floats
+    sizes = [4 * torch.Size(s).numel() for s in shapes]
+
+    def case(bucket_bytes: int):
+        return lambda: run_on_ranks(cluster, _bucket_case, fn, shapes, bucket_bytes)
+
+    def judge(bucket_bytes: int):
+        want_calls = buckets(sizes, bucket_bytes)
+        local = [_local_grads(shapes, r) for r in range(world)]
+        mean = [sum(ts) / world for ts in zip(*local, strict=True)]
+
+        def problem(per_rank) -> str | None:
+            for rank, r in enumerate(per_rank):
+                err = max((g - m).abs().max().item() for g, m in zip(r["grads"], mean, strict=True))
+                if err <= TOL:
+                    continue
+                own = max(
+                    (g - m).abs().max().item() for g, m in zip(r["grads"], local[rank], strict=True)
+                )
+                summed = max(
+                    (g - world * m).abs().max().item()
+                    for g, m in zip(r["grads"], mean, strict=True)
+                )
+                if own <= TOL:
+                    return (
+                        f"rank {rank}'s gradients are unchanged: a bucket is a NEW tensor "
+                        "(torch.cat copies); copy the averaged bucket back into the gradients."
+                    )
+                if summed <= TOL:
+                    return (
+                        f"rank {rank} holds {world}x the average: divide the sum by the world size."
+                    )
+                return f"rank {rank}'s gradients are {err:.2g} away from the average over ranks."
+            calls = per_rank[0]["calls"]
+            got = [nbytes for kind, nbytes in calls if kind == "all_reduce"]
+            if len(got) != len(calls):
+                other = sorted({kind for kind, _ in calls} - {"all_reduce"})
+                return f"right values, but the ranks also called {other}: all-reduce only."
+            if got == want_calls:
+                return None
+            rule = f"tensors of {sizes} bytes, bucket_bytes {bucket_bytes}"
+            if got == sizes and len(want_calls) < len(sizes):
+                return (
+                    f"right values, but one all-reduce per tensor ({len(got)} calls, {rule}); "
+                    f"buckets would need {len(want_calls)}: {want_calls} bytes."
+                )
+            too_big = [b for b in got if b > bucket_bytes and b not in sizes]
+            if too_big:
+                return f"a bucket of {too_big[0]} bytes is larger than bucket_bytes ({rule})."
+            return f"all-reduces of {got} bytes; the rule gives {want_calls} ({rule})."
+
+        return problem
+
+    caps = {"one bucket holds everything": 1 << 20, "128-byte buckets": 128}
+    caps |= {"100-byte buckets": 100, "40-byte buckets (smaller than some tensors)": 40}
+    return check_cases(
+        "bucketed all-reduce",
+        [(name, case(cap), judge(cap)) for name, cap in caps.items()],
+        "walk the gradients in order, adding each to the current bucket unless that makes it "
+        "bigger than bucket_bytes; for each bucket: torch.cat the flattened tensors, one "
+        "dist.all_reduce, divide by the world size, copy the pieces back.",
+    )
+
+
+# ---------------------------------------------------------------- exercise 2: find the bug
+SEED = 7  # of the data and of the model: rank 0's model is tiny_model(SEED)
+
+
+def drifting_replicas(steps: int, n: int, lr: float = 0.1) -> torch.Tensor:
+    """Data parallelism over ``steps`` optimizer steps of ``n`` micro-batches; one all-reduce per
+    step. Returns this rank's parameters. Its ranks never agree."""
+    rank = dist.get_rank()
+    torch.manual_seed(SEED + rank)  # every rank shuffles its micro-batches differently
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    for step in range(steps):
+        for m in torch.randperm(n).tolist():
+            x, y = micro_batch(SEED, step, m, rank, 2)
+            (torch.nn.functional.mse_loss(model(x), y) / n).backward()
+        all_reduce_mean([p.grad for p in model.parameters()], dist.group.WORLD)
+        optimizer.step()
+        optimizer.zero_grad()
+    return flat_params(model)
+
+
+def _replica_case(fn: Callable, steps: int, n: int) -> dict:
+    from gas_lab.measure.comm import count_collectives
+
+    with count_collectives() as log:
+        params = fn(steps, n)
+    return {"params": torch.as_tensor(params).detach().flatten(), "calls": log.by_kind()}
+
+
+def _sgd_config(n: int) -> dict:
     return {
         "train_micro_batch_size_per_gpu": 2,
         "gradient_accumulation_steps": n,
-        "optimizer": {"type": "SGD", "params": {"lr": lr}},
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
     }
 
 
-def check_ddp_accumulation_step(fn: Callable, cluster) -> Verdict:
-    """Exercise 2: ``fn(ddp_model, optimizer, micro_batches, loss_fn)``: one optimizer step over
-    the micro-batches with torch's DDP, and exactly one all-reduce."""
-    steps, world = 2, cluster.world_size
+def check_replicas(fn: Callable, cluster) -> Verdict:
+    """Exercise 2: ``fn(steps, n)``, :func:`drifting_replicas` fixed: every rank ends with the
+    parameters of one process that took every rank's micro-batches, starting from rank 0's
+    weights (as DDP does), with still one gradient all-reduce per step."""
+    world = cluster.world_size
 
-    def case(n: int):
-        def run():
-            return n, run_on_ranks(cluster, _ddp_case, fn, n, steps)
+    def case(steps: int, n: int):
+        return lambda: run_on_ranks(cluster, _replica_case, fn, steps, n)
 
-        return run
-
-    def judge(result) -> str | None:
-        n, per_rank = result
-        ref = reference_params(_sgd_config(n), steps, world_size=world)
-        calls = per_rank[0]["calls"]
-        err = max(_max_diff(r["params"], ref) for r in per_rank)
-        drift = _max_diff(per_rank[0]["params"], per_rank[1]["params"])
-        if err > TOL:
-            if drift > TOL:
-                return (
-                    f"the ranks' parameters drifted apart by {drift:.2g} ({calls / steps:g} "
-                    "all-reduces per step): the last micro-batch's forward and backward must "
-                    "run outside no_sync()."
+    def judge(steps: int, n: int):
+        def problem(per_rank) -> str | None:
+            params = [r["params"] for r in per_rank]
+            spread = max((p - params[0]).abs().max().item() for p in params)
+            start = max(
+                (flat_params(tiny_model(SEED + r)) - flat_params(tiny_model(SEED))).abs().max()
+                for r in range(world)
+            ).item()
+            if spread > TOL:
+                same = abs(spread - start) < 1e-5
+                why = (
+                    f", exactly as far as their weights were before the first step ({start:.4f}): "
+                    "they applied identical updates to different starting weights"
+                    if same
+                    else ""
                 )
-            too_big = reference_params(_sgd_config(n, LR * n), steps, world_size=world)
-            if n > 1 and all(_max_diff(r["params"], too_big) <= TOL for r in per_rank):
-                return f"the update is {n}x too large: divide each micro-batch loss by N = {n}."
-            return f"parameters are {err:.2g} away from the full-batch reference."
-        if calls != steps:
-            trap = (
-                " DDP decides in forward() whether the next backward() reduces, so no_sync() "
-                "must wrap the forward as well as the backward."
-                if calls == n * steps
-                else ""
-            )
-            return (
-                f"right parameters, but {calls / steps:g} all-reduces per optimizer step "
-                f"instead of 1.{trap}"
-            )
-        return None
+                return f"the ranks end {spread:.4f} apart after {steps} steps{why}."
+            ref = reference_params(_sgd_config(n), steps, world_size=world, seed=SEED)
+            err = (params[0] - ref).abs().max().item()
+            if err > TOL:
+                return (
+                    f"the ranks agree, but are {err:.2g} from the reference, which starts from "
+                    "rank 0's initial weights and takes every rank's micro-batches in each step."
+                )
+            reduces = per_rank[0]["calls"].get("all_reduce", {}).get("calls", 0)
+            if reduces != steps:
+                return f"right parameters, but {reduces} all-reduces in {steps} steps instead of {steps}."
+            return None
+
+        return problem
 
     return check_cases(
-        "DDP accumulation with one all-reduce",
-        [(f"N = {n} micro-batches", case(n), judge) for n in (1, 3)],
-        "for all but the last micro-batch: `with model.no_sync():` around BOTH the forward "
-        "and loss.backward(); the last one outside it; each loss / N; then one optimizer step "
-        "and zero_grad().",
-    )
-
-
-# ---------------------------------------------------------------- exercise 3: batch invariant
-def check_gas_for(fn: Callable) -> Verdict:
-    """Exercise 3: ``fn(global_batch, micro, world_size)`` returns GAS, or raises ValueError."""
-
-    def case(batch: int, micro: int, world: int):
-        def run():
-            try:
-                return batch, micro, world, fn(batch, micro, world)
-            except ValueError as err:
-                return batch, micro, world, err
-
-        return run
-
-    def judge(result) -> str | None:
-        batch, micro, world, got = result
-        try:
-            _, _, want = resolve_batch(batch, micro, None, world)
-        except ValueError:
-            want = None
-        if want is None:
-            if isinstance(got, ValueError):
-                return None
-            return (
-                f"returned {got!r}, but {batch} samples do not split into micro-batches of "
-                f"{micro} on {world} ranks: {batch} / ({micro} x {world}) = "
-                f"{batch / (micro * world):g} is not a whole number >= 1; raise ValueError."
-            )
-        if isinstance(got, ValueError):
-            return f"raised ValueError({got}), but GAS = {want} works: {micro} x {want} x {world}."
-        if got == batch // micro and world > 1:
-            return f"got {got}, expected {want}: the world size is missing (micro x GAS x world)."
-        if got != want:
-            return f"got {got!r}, expected {want}: {micro} x {want} x {world} = {batch}."
-        return None
-
-    cases = [(16, 2, 2), (32, 4, 8), (12, 2, 4), (8, 2, 8)]
-    return check_cases(
-        "gradient accumulation steps from the batch invariant",
-        [(f"global {b}, micro {m}, world {w}", case(b, m, w), judge) for b, m, w in cases],
-        "global batch = micro x GAS x world size, so GAS = global / (micro x world), and it "
-        "must come out a whole number >= 1.",
+        "replicas that agree",
+        [
+            (f"{steps} step(s) of {n} micro-batches", case(steps, n), judge(steps, n))
+            for steps, n in ((1, 2), (3, 3))
+        ],
+        "averaged gradients keep replicas equal only if they START equal: compare the ranks' "
+        "weights right after the model is built, before the first step; DDP makes every rank "
+        "start from rank 0's weights.",
     )

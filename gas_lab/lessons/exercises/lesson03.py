@@ -1,19 +1,24 @@
-"""Checkers for lesson 03 (managed accumulation: the engine counts).
+"""Checkers for lesson 03's exercises (managed accumulation: the engine counts).
 
-Each checker builds a fresh gas_lab engine in this process (world size 1, SGD, no clipping, so
-a wrong scale shows up as a wrong step size), runs the learner's loop on ``parity``'s data, and
-compares with the plain-PyTorch reference ``pitfalls.reference_params``. Judges recognise the
-classic mistakes by running them too and comparing.
+1. :func:`check_counter_predictions`: predict ``(micro_steps, global_steps, global_samples)``
+   after scripts of engine calls the lesson did not run; the checker runs each script on real
+   DeepSpeed on the notebook's ranks and compares (pass ``cluster``).
+2. :func:`check_epochs`: epochs whose length is not a multiple of GAS, one update per window
+   and one for each epoch's remainder, run twice on the same engine; the checker records after
+   which micro-batch every update happened, on a one-process gas_lab engine (the lesson
+   asserts it counts like DeepSpeed), and compares the parameters with plain PyTorch.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from gas_lab.engine import initialize
-from gas_lab.lessons.exercises.verdict import Verdict, check_cases
+from gas_lab.lessons.exercises.on_ranks import measured_once
+from gas_lab.lessons.exercises.verdict import Verdict, answer_for, check_cases
 from gas_lab.lessons.toys import flat_params, micro_batch, tiny_model
 from gas_lab.measure.parity import reference_params
 
@@ -30,179 +35,253 @@ def sgd_config(gas: int, lr: float = LR, managed: bool = True) -> dict:
         "managed_gradient_accumulation": managed,
         "gradient_clipping": 0.0,
         "optimizer": {"type": "SGD", "params": {"lr": lr}},
+        "steps_per_print": 10**9,
     }
-
-
-def new_engine(config: dict):
-    model = tiny_model(0)
-    engine, _, _, _ = initialize(model=model, model_parameters=model.parameters(), config=config)
-    return engine
-
-
-def windows(ns: list[int]) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
-    """The micro-batches of each optimizer step: step i has ns[i] of them."""
-    return [[micro_batch(0, step, m, 0, MICRO) for m in range(n)] for step, n in enumerate(ns)]
-
-
-def counters(engine) -> tuple[int, int, int]:
-    return engine.global_steps, engine.global_samples, engine.micro_steps
 
 
 def mse(prediction: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.mse_loss(prediction, y)
 
 
-def run_windows(fn: Callable, config: dict, ns: list[int]) -> dict:
-    """Call ``fn(engine, micro_batches, loss_fn)`` once per window on a fresh engine."""
-    engine = new_engine(config)
-    for micro_batches in windows(ns):
-        fn(engine, micro_batches, mse)
-    return {"params": flat_params(engine.module), "counters": counters(engine)}
+# ---------------------------------------------------------------- exercise 1: predict the counters
+@dataclass(frozen=True)
+class Script:
+    """Engine calls after ``initialize``: ``parts`` is ``(repeat, ops)`` pairs, in order."""
+
+    gas: int
+    parts: tuple[tuple[int, tuple[str, ...]], ...]
+    why: str  # what decides the answer, shown once the prediction has been checked
+
+    @property
+    def ops(self) -> list[str]:
+        return [op for repeat, ops in self.parts for _ in range(repeat) for op in ops]
+
+    def show(self) -> str:
+        def one(repeat, ops):
+            calls = ", ".join(_CALL.get(op, f"{op}()") for op in ops)
+            return calls if repeat == 1 else f"{repeat} x ({calls})"
+
+        return f"GAS {self.gas}: " + "; ".join(one(*part) for part in self.parts)
 
 
-def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return (a - b).abs().max().item() <= TOL
+_CALL = {
+    "boundary=True": "set_gradient_accumulation_boundary(True)",
+    "boundary=False": "set_gradient_accumulation_boundary(False)",
+    "boundary=None": "set_gradient_accumulation_boundary(None)",
+}
+_BS = ("backward", "step")
+SCRIPTS = {
+    "A": Script(4, ((10, _BS),), "the counter alone: boundaries at the 4th and 8th step() call."),
+    "B": Script(
+        4,
+        ((3, _BS), (1, ("boundary=True",)), (1, _BS), (1, ("boundary=None",)), (4, _BS)),
+        "True makes the 4th call a boundary; None hands the boundary back to the counter, which "
+        "kept counting (micro_steps is 4), so the next boundary is the 8th call.",
+    ),
+    "C": Script(
+        4,
+        ((1, ("boundary=False",)), (6, _BS), (1, ("boundary=None",)), (2, _BS)),
+        "False holds every boundary back, even the 4th call; after None the counter's next "
+        "boundary is the 8th call, which updates once from all 8 micro-batches.",
+    ),
+    "D": Script(
+        4,
+        ((5, ("backward",)), (1, ("step",))),
+        "an unmanaged loop on a managed engine: one step() call is 1 micro-step, not a boundary.",
+    ),
+    "E": Script(
+        4,
+        ((4, ("backward", "step", "step")),),
+        "every step() call counts, with or without a backward() before it: the 4th and 8th "
+        "calls are boundaries.",
+    ),
+}
 
 
-# ---------------------------------------------------------------- exercise 1: the boundary
-def check_boundary_steps(fn: Callable) -> Verdict:
-    """Exercise 1: ``fn(gas, calls)`` says, for each of ``calls`` step() calls, whether it
-    applies an optimizer update."""
+def _run_script(script: Script) -> tuple[int, int, int]:
+    """On a rank: the script on real DeepSpeed; its counters at the end."""
+    import torch.distributed as dist
 
-    def case(gas: int, calls: int):
-        def run():
-            engine = new_engine(sgd_config(gas))
-            truth = []
-            for k in range(calls):
-                x, y = micro_batch(0, 0, k, 0, MICRO)
-                engine.backward(mse(engine(x), y))
-                engine.step()
-                truth.append(engine.was_step_applied())
-            return gas, [bool(b) for b in fn(gas, calls)], truth
+    from gas_lab.measure.parity import deepspeed_initialize
 
-        return run
+    model = tiny_model(0)
+    engine = deepspeed_initialize()(
+        model=model, model_parameters=model.parameters(), config=sgd_config(script.gas)
+    )[0]
+    micro = 0
+    for op in script.ops:
+        if op == "backward":
+            x, y = micro_batch(0, 0, micro, dist.get_rank(), MICRO)
+            micro += 1
+            engine.backward(mse(engine(x), y))
+        elif op == "step":
+            engine.step()
+        else:
+            value = {"True": True, "False": False, "None": None}[op.split("=")[1]]
+            engine.set_gradient_accumulation_boundary(value)
+    return engine.micro_steps, engine.global_steps, engine.global_samples
 
-    def judge(result) -> str | None:
-        gas, got, truth = result
-        if got == truth:
-            return None
-        shown = "".join("U" if b else "." for b in got)
-        want = "".join("U" if b else "." for b in truth)
-        if got and got[0] and gas > 1:
-            return (
-                f"got {shown}, expected {want} (U = update): your first update is at call 1. "
-                "The engine tests (micro_steps + 1) % GAS before step() adds 1 to micro_steps, "
-                "so the first update is the GAS-th call."
-            )
-        return f"got {shown}, expected {want} (U = update, one character per step() call)."
 
-    return check_cases(
-        "which step() calls update",
-        [(f"GAS {g}, {c} calls", case(g, c), judge) for g, c in ((1, 3), (3, 7), (4, 9))],
-        "call k (counting from 1) updates when k % GAS == 0.",
+def measured_counters(letter: str, cluster) -> tuple[int, int, int]:
+    """What DeepSpeed's counters say after script ``letter`` (measured once per session)."""
+    # The first DeepSpeed engine on fresh ranks imports DeepSpeed there: allow for it.
+    return measured_once(
+        ("lesson03 script", letter, cluster.world_size),
+        lambda: tuple(cluster.run(_run_script, SCRIPTS[letter], timeout=180)[0]),
     )
 
 
-# ---------------------------------------------------------------- exercise 2: symmetric loop
-def _default_scaled_twice(engine, micro_batches, loss_fn):
-    for x, y in micro_batches:  # the mistake: / N by hand AND / GAS by the engine
-        engine.backward(loss_fn(engine(x), y) / len(micro_batches))
-        engine.step()
+def _prediction_case(fn: Callable, letter: str, cluster):
+    script = SCRIPTS[letter]
 
-
-def check_managed_loop(fn: Callable) -> Verdict:
-    """Exercise 2: ``fn(engine, micro_batches, loss_fn)`` runs one window through a managed
-    engine (GAS = len(micro_batches)) with forward, backward and step on every micro-batch."""
-
-    def case(gas: int, steps: int):
-        def run():
-            return gas, steps, run_windows(fn, sgd_config(gas), [gas] * steps)
-
-        return run
+    def run():
+        got = answer_for(fn, letter, "{'A': (10, 2, 32), ...}")
+        return got, measured_counters(letter, cluster)
 
     def judge(result) -> str | None:
-        gas, steps, got = result
-        n_steps, _, micro_steps = got["counters"]
-        if micro_steps != gas * steps:
-            return (
-                f"micro_steps is {micro_steps} after {steps} windows of {gas}, expected "
-                f"{gas * steps}: a managed engine counts step() calls, so call step() after "
-                "every backward()."
-            )
-        if n_steps != steps:
-            return f"{n_steps} optimizer updates in {steps} windows, expected {steps}."
-        ref = reference_params(sgd_config(gas), steps, world_size=1)
-        if _close(got["params"], ref):
+        got, (micro, steps, samples) = result
+        if not (isinstance(got, tuple | list) and len(got) == 3):
+            return f"answer a tuple (micro_steps, global_steps, global_samples), got {got!r}."
+        got = tuple(int(v) for v in got)
+        if got == (micro, steps, samples):
             return None
-        if _close(got["params"], reference_params(sgd_config(gas, LR / gas), steps, world_size=1)):
+        said = f"you said {got}, DeepSpeed measured {(micro, steps, samples)}"
+        backwards = script.ops.count("backward")
+        train_batch = MICRO * script.gas * cluster.world_size
+        if got[0] != micro and got[0] == backwards:
+            return f"{said}: micro_steps counts step() calls, not backward() calls."
+        if got[:2] == (micro, steps) and got[2] == steps * MICRO * script.gas:
             return (
-                f"the update is {gas}x too small: engine.backward(loss) already divides by GAS "
-                "(scale_wrt_gas=True); do not divide again."
+                f"{said}: global_samples grows by train_batch_size = micro x GAS x world = "
+                f"{train_batch} per update; the world size is missing."
             )
-        if _close(got["params"], reference_params(sgd_config(gas, LR * gas), steps, world_size=1)):
+        if got[:2] == (micro, steps):
             return (
-                f"the update is {gas}x too large: nothing divided the loss by GAS. Call "
-                "engine.backward(loss) with the default scale_wrt_gas=True."
+                f"{said}: managed, every update adds train_batch_size = {train_batch} samples, "
+                "however many micro-batches it really used."
             )
-        return f"parameters are {(got['params'] - ref).abs().max().item():.2g} from the reference."
+        return f"{said}: {script.why}"
 
+    return (f"script {letter}", run, judge)
+
+
+def check_counter_predictions(fn: Callable[[], dict], cluster) -> Verdict:
+    """Exercise 1: ``fn()`` returns ``{"A": (micro_steps, global_steps, global_samples), ...}``
+    for every script of :data:`SCRIPTS`, predicted for DeepSpeed on the notebook's ranks."""
     return check_cases(
-        "the symmetric managed loop",
-        [(f"GAS {g}, {s} windows", case(g, s), judge) for g, s in ((1, 2), (3, 2))],
-        "for x, y in micro_batches: loss = loss_fn(engine(x), y); engine.backward(loss); "
-        "engine.step()",
+        "predict the counters",
+        [_prediction_case(fn, letter, cluster) for letter in SCRIPTS],
+        "micro_steps counts step() calls; a call is a boundary when the override says so, "
+        "else when (micro_steps + 1) % GAS == 0 before it counts; each update adds "
+        "micro x GAS x world to global_samples.",
     )
 
 
-# ---------------------------------------------------------------- exercise 3: the override
-def _override_default_scale(engine, micro_batches, loss_fn):
-    n = len(micro_batches)
-    for i, (x, y) in enumerate(micro_batches):
-        engine.set_gradient_accumulation_boundary(i == n - 1)
-        engine.backward(loss_fn(engine(x), y))  # the mistake: / GAS, not / N
-    engine.step()
+# ---------------------------------------------------------------- exercise 2: epochs with a remainder
+GAS = 3
 
 
-def check_variable_window(fn: Callable) -> Verdict:
-    """Exercise 3: ``fn(engine, micro_batches, loss_fn)``: one update over ANY number of
-    micro-batches on a managed engine, with set_gradient_accumulation_boundary()."""
+def _windows(epochs: list[int], gas: int) -> list[list[int]]:
+    """Each epoch's windows: as many full ones as fit, then the remainder."""
+    return [[gas] * (n // gas) + ([n % gas] if n % gas else []) for n in epochs]
 
-    def case(gas: int, ns: list[int]):
-        def run():
-            return gas, ns, run_windows(fn, sgd_config(gas), ns)
 
-        return run
+def _epoch_data(windows: list[list[int]]) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Each epoch's micro-batches, drawn so that window w holds reference_params' step w."""
+    data, w = [], 0
+    for epoch in windows:
+        data.append(
+            [micro_batch(0, w + i, m, 0, MICRO) for i, n in enumerate(epoch) for m in range(n)]
+        )
+        w += len(epoch)
+    return data
 
-    def judge(result) -> str | None:
-        gas, ns, got = result
-        n_steps = got["counters"][0]
-        if n_steps == 0:
+
+def _recorded(engine) -> list[int]:
+    """Wrap the engine's backward() and step(): return the list that collects, for each
+    update, how many micro-batches had gone through backward() when it happened."""
+    updates, backwards = [], [0]
+    backward, step = engine.backward, engine.step
+
+    def counted_backward(*args, **kwargs):
+        backwards[0] += 1
+        return backward(*args, **kwargs)
+
+    def counted_step(*args, **kwargs):
+        before = engine.global_steps
+        out = step(*args, **kwargs)
+        updates.extend([backwards[0]] * (engine.global_steps - before))
+        return out
+
+    engine.backward, engine.step = counted_backward, counted_step
+    return updates
+
+
+def _run_epochs(fn: Callable, epochs: list[int]) -> dict:
+    windows = _windows(epochs, GAS)
+    model = tiny_model(0)
+    engine = initialize(model=model, model_parameters=model.parameters(), config=sgd_config(GAS))[0]
+    updates = _recorded(engine)
+    fn(engine, _epoch_data(windows), mse)
+    return {"windows": windows, "updates": updates, "params": flat_params(engine.module)}
+
+
+def _judge_epochs(r: dict) -> str | None:
+    windows, got = r["windows"], r["updates"]
+    flat = [n for epoch in windows for n in epoch]
+    want = [sum(flat[: i + 1]) for i in range(len(flat))]
+    total = want[-1]
+    if got != want:
+        said = (
+            f"updates after micro-batch {got} (counted over all epochs, {total} micro-batches); "
+            f"expected after {want}, windows {windows}"
+        )
+        runs = [a for a, b, c in zip(got, got[1:], got[2:], strict=False) if c - b == b - a == 1]
+        if runs:  # three micro-batches in a row each updated: windows of 1
             return (
-                "no update happened: set the boundary to True before the LAST micro-batch's "
-                "backward(), then call step()."
+                f"{said}. From micro-batch {runs[0]} on every call updates: "
+                "set_gradient_accumulation_boundary(True) is sticky; hand the boundary back "
+                "with None, or set it before every micro-batch."
             )
-        if n_steps != len(ns):
+        if all(u % GAS == 0 for u in got):
             return (
-                f"{n_steps} updates for {len(ns)} windows {ns}: the boundary must be False "
-                "for every micro-batch but the last, and step() called once per window."
+                f"{said}. Only the counter decided: an epoch's remainder waited for the next "
+                "epoch's micro-batches to fill its window."
             )
-        ref = reference_params(sgd_config(gas), len(ns), ns, world_size=1)
-        if _close(got["params"], ref):
-            return None
-        wrong = run_windows(_override_default_scale, sgd_config(gas), ns)["params"]
-        if _close(got["params"], wrong):
+        first_epoch = len(windows[0])
+        if got[:first_epoch] == want[:first_epoch]:
             return (
-                f"each loss was divided by GAS = {gas}, not by the window's N ({ns}): pass "
-                "scale_wrt_gas=False and divide by N yourself."
+                f"{said}. The first epoch is right; then the windows are shifted: the "
+                "remainder's step() calls moved micro_steps, so the counter's windows no longer "
+                "start where an epoch starts."
             )
-        return f"parameters are {(got['params'] - ref).abs().max().item():.2g} from the reference."
+        return f"{said}."
+    ref = reference_params(sgd_config(GAS), len(flat), flat, world_size=1)
+    err = (r["params"] - ref).abs().max().item()
+    if err <= TOL:
+        return None
+    short = [n for n in flat if n != GAS]
+    return (
+        f"the updates happen at the right micro-batches, but the parameters are {err:.2g} from "
+        f"the reference: each window's micro-batches must weigh 1/N for a window of N (the "
+        f"remainder windows have {short}); engine.backward() divides by GAS = {GAS} unless "
+        "scale_wrt_gas=False."
+    )
 
+
+def check_epochs(fn: Callable) -> Verdict:
+    """Exercise 2: ``fn(engine, epochs, loss_fn)`` trains a managed engine (GAS 3) on a list of
+    epochs, each a list of ``(x, y)`` micro-batches: one update per GAS micro-batches and one
+    for each epoch's remainder, every micro-batch of a window weighing the same."""
+    cases = {
+        "one epoch of 6 micro-batches (no remainder)": [6],
+        "epochs of 7 and 5 micro-batches": [7, 5],
+        "three epochs of 4 micro-batches": [4, 4, 4],
+    }
     return check_cases(
-        "a variable window on a managed engine",
-        [
-            (f"GAS {g}, windows of {ns} micro-batches", case(g, ns), judge)
-            for g, ns in ((2, [3, 1, 2]), (4, [1, 4, 6]))
-        ],
-        "for each micro-batch: set_gradient_accumulation_boundary(i == N - 1), then "
-        "engine.backward(loss / N, scale_wrt_gas=False); after the window, one engine.step().",
+        "epochs that do not divide by GAS",
+        [(name, lambda e=e: _run_epochs(fn, e), _judge_epochs) for name, e in cases.items()],
+        "the engine's counter only knows GAS-sized windows, and every step() call moves it. "
+        "Decide every window's boundary yourself: set_gradient_accumulation_boundary(i == N - 1) "
+        "before each backward, loss / N with scale_wrt_gas=False, one step() per window.",
     )

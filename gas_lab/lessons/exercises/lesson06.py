@@ -1,153 +1,238 @@
-"""Checkers for lesson 06 (rejected combinations, and the ones accepted but silently wrong).
+"""Checkers for lesson 06's exercises (rejected combinations).
 
-Exercise 1 asks for a prediction per scenario: "accepted", "rejected" or "silently wrong". The
-answer key is not typed in here: it comes from the rules data (:func:`gas_lab.rules.prediction.predict`,
-checked against DeepSpeed's measured matrix) and the traps (:data:`gas_lab.rules.traps.TRAPS`, each
-measured on DeepSpeed in the lesson). Exercise 2 asks for the initialize-time rules as code and
-grades it against every relevant case of the measured matrix.
+1. :func:`check_predictions`: combinations of the matrix that the lesson did not take apart
+   (other stages, other modes, offload and bf16, the context managers). Predict what DeepSpeed
+   does: accept, or raise at which call. The checker measures every scenario *now*, on real
+   DeepSpeed on the notebook's ranks (the same code as ``python -m gas_lab.rules.matrix``).
+2. :func:`check_new_rule`: a combination the committed matrix never measured, pipeline
+   parallelism with ZeRO stage 2 or 3. Write DeepSpeed's refusal as a :class:`Rule`; the
+   checker measures the new cases live and runs ``gas_lab.rules.prediction`` with your rule
+   added over them *and* over every committed case, which must all still come out right.
+
+Both take the notebook's ``cluster``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 from collections.abc import Callable
-from dataclasses import dataclass
 
-from gas_lab.lessons.exercises.verdict import Verdict, check_cases
-from gas_lab.rules import prediction, traps
-from gas_lab.rules.traps import Loop
+from gas_lab.config import ConfigError, parse
+from gas_lab.lessons.exercises.on_ranks import measured_once
+from gas_lab.lessons.exercises.verdict import Verdict, answer_for, check_cases
+from gas_lab.rules import matrix, prediction
+from gas_lab.rules.refusals import Rule, Situation, first_violation
 
-ANSWERS = ("accepted", "rejected", "silently wrong")
-BASE = {
-    "train_micro_batch_size_per_gpu": 2,
-    "gradient_accumulation_steps": 2,
-    "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}},
+#: What an engine call is called in an answer (matrix op -> the call that raises).
+CALLS = {
+    "initialize": "initialize",
+    "set_boundary_true": "set_gradient_accumulation_boundary",
+    "set_boundary_false": "set_gradient_accumulation_boundary",
+    "enter_no_sync": "no_sync",
+    "enter_coalesce": "coalesce_grad_reduction",
+    "step": "step",
+    "tensor_backward": "loss.backward",
+    "backward": "backward",
+    "train_batch": "train_batch",
+}
+ANSWERS = ("accepted", *dict.fromkeys(CALLS.values()))
+_OPS = {
+    "backward": "backward()",
+    "tensor_backward": "loss.backward()",
+    "step": "step()",
+    "set_boundary_true": "set_gradient_accumulation_boundary(True)",
+    "set_boundary_false": "set_gradient_accumulation_boundary(False)",
+    "enter_no_sync": "enter no_sync()",
+    "exit_no_sync": "leave no_sync()",
+    "enter_coalesce": "enter coalesce_grad_reduction()",
+    "exit_coalesce": "leave coalesce_grad_reduction()",
+    "train_batch": "train_batch()",
+}
+SCENARIOS = {  # letter -> a case id of the measured matrix the lesson did not take apart
+    "A": "api/stage=1/managed=True/api=step_in_no_sync",
+    "B": "api/stage=2/managed=True/api=no_sync",
+    "C": "api/stage=0/managed=True/api=coalesce",
+    "D": "api/stage=1/managed=True/api=coalesce",
+    "E": "api/stage=3/managed=False/api=tensor_backward",
+    "F": "grid/stage=1/managed=False/overlap_comm=True/offload=cpu/precision=bf16",
+    "G": "api/stage=1/managed=False/api=no_sync",
+    "H": "api/stage=3/managed=True/api=no_sync_reentry",
 }
 
 
-@dataclass(frozen=True)
-class Scenario:
-    """A config and a loop, as a learner reads them; ``ops``/``loop`` feed the answer key."""
-
-    config: dict
-    loop: str  # the loop in words
-    ops: tuple[str, ...] = ("backward", "step")
-    facts: Loop = Loop()
-
-    def show(self) -> str:
-        extra = {k: v for k, v in self.config.items() if BASE.get(k) != v}
-        return f"config: base + {extra}\n    loop: {self.loop}"
+def _committed() -> dict[str, dict]:
+    return {c["id"]: c for c in prediction.measured_matrix()["cases"]}
 
 
-_NO_FACTS = Loop()
+def describe(case: dict) -> str:
+    """A case as a learner reads it: what differs from the matrix's base config, then the calls."""
+    extra = {k: v for k, v in case["config"].items() if matrix.BASE.get(k) != v}
+    calls = ", ".join(_OPS.get(op, op) for op in case["ops"])
+    pipe = " a PipelineModule model," if case["pipeline"] else ""
+    return f"base + {extra};{pipe} then: {calls}"
 
 
-def _s(loop: str, ops=("backward", "step"), facts=_NO_FACTS, **config) -> Scenario:
-    return Scenario({**BASE, **config}, loop, tuple(ops), facts)
+def _measure_quietly(cases: list[dict]) -> list[dict]:
+    """On a rank: ``matrix.measure``, without DeepSpeed's start-up chatter (pipelines print)."""
+    with contextlib.redirect_stdout(io.StringIO()):
+        return matrix.measure(cases)
 
 
-_UNMANAGED = {"managed_gradient_accumulation": False}
-SCENARIOS: dict[str, Scenario] = {
-    "A": _s("3 x engine.backward(loss), then engine.step()", ["backward"] * 3 + ["step"],
-            Loop((3, 3)), zero_optimization={"stage": 1, "overlap_comm": True}, **_UNMANAGED),
-    "B": _s("2 x engine.backward(loss), then engine.step()", ["backward"] * 2 + ["step"],
-            Loop((2, 2)), zero_optimization={"stage": 3, "overlap_comm": True}, **_UNMANAGED),
-    "C": _s("3 x engine.backward(loss), then engine.step() (every rank)",
-            ["backward"] * 3 + ["step"], Loop((3, 3)), **_UNMANAGED),
-    "D": _s('same loop as C, the flag written as the string "false"', ["backward"] * 3 + ["step"],
-            Loop((3, 3)), managed_gradient_accumulation="false"),
-    "E": _s("set_gradient_accumulation_boundary(True) before the last of 2 backward(), then step()",
-            ["backward", "set_boundary_true", "backward", "step"], Loop((2, 2)), **_UNMANAGED),
-    "F": _s("rank 0 runs 1 micro-batch, rank 1 runs 2; each loss * W / (N summed over ranks), "
-            "engine.backward(loss, scale_wrt_gas=False), then step()", ["backward", "step"],
-            Loop((1, 2), scale_wrt_gas=False, loss_divisor="global"),
-            zero_optimization={"stage": 1}, **_UNMANAGED),
-    "G": _s("2 x loss.backward() (not engine.backward), then engine.step()",
-            ["tensor_backward"] * 2 + ["step"], Loop((2, 2), backward="tensor"),
-            zero_optimization={"stage": 1}, **_UNMANAGED),
-    "H": _s('managed; an "amp": {"enabled": false} block left over from an old config',
-            ["backward", "step", "backward", "step"], amp={"enabled": False}),
-}  # fmt: skip
+def measure_live(cases: list[dict], cluster) -> list[dict]:
+    """What DeepSpeed does with ``cases`` now, on the notebook's ranks (rank 0's record; each
+    case measured once per session)."""
+    key = ("lesson06 matrix", tuple(c["id"] for c in cases), cluster.world_size)
+    return measured_once(key, lambda: cluster.run(_measure_quietly, cases, timeout=300)[0])
 
 
-def expected(s: Scenario) -> tuple[str, str]:
-    """``(answer, why)`` from the rules data: rejected by a rule, caught by a trap, or neither."""
-    flag = [t for t in traps.traps(s.config, s.facts) if t.name == "managed_flag_not_false"]
-    if flag:  # gas_lab refuses to parse such a config; DeepSpeed runs it, silently managed
-        return "silently wrong", f"{flag[0].symptom} Rule: {flag[0].fix}."
-    rule, op = prediction.predict(s.config, s.ops)
-    if rule is not None:
-        where = op if op == "initialize" else f"{prediction.OP_ACTIONS.get(op, op)}()"
-        return "rejected", (
-            f"rule {rule.name}: DeepSpeed raises {rule.deepspeed_raises} at {where}. {rule.reason}"
-        )
-    caught = traps.traps(s.config, s.facts)
-    if caught:
-        return "silently wrong", f"{caught[0].symptom} Rule: {caught[0].fix}."
-    return "accepted", "it runs, and nothing known goes wrong."
+def _said(got: dict) -> str:
+    if got["outcome"] == "accepted":
+        return "accepted"
+    return f"{got['exception']} at {CALLS[got['raised_in']]}(): {got['message'][:100]}"
 
 
-def _prediction_case(fn: Callable, letter: str):
+# ---------------------------------------------------------------- exercise 1: predict, measured
+def _prediction_case(fn: Callable, letter: str, cluster):
+    case = _committed()[SCENARIOS[letter]]
+
     def run():
-        answers = fn()
-        if not isinstance(answers, dict):
-            raise TypeError(f"return a dict like {{'A': 'rejected', ...}}, got {type(answers)}")
-        return answers.get(letter)
+        answer = answer_for(fn, letter, "{'A': 'accepted', ...}")
+        return answer, measure_live([case], cluster)[0]
 
-    def judge(got) -> str | None:
-        answer, why = expected(SCENARIOS[letter])
-        if got not in ANSWERS:
-            return f"answer one of {ANSWERS}, got {got!r}."
-        return None if got == answer else f"you said {got!r}; it is {answer!r}: {why}"
+    def judge(result) -> str | None:
+        answer, got = result
+        if answer not in ANSWERS:
+            return f"answer one of {ANSWERS}, got {answer!r}."
+        truth = "accepted" if got["outcome"] == "accepted" else CALLS[got["raised_in"]]
+        if answer == truth:
+            return None
+        rule, _ = prediction.predict(case["config"], case["ops"], case["pipeline"])
+        why = f" Rule {rule.name}: {rule.condition}." if rule is not None else ""
+        return f"you said {answer!r}; measured now on DeepSpeed: {_said(got)}.{why}"
 
     return (f"scenario {letter}", run, judge)
 
 
-def check_predictions(fn: Callable[[], dict]) -> Verdict:
-    """Exercise 1: ``fn()`` returns ``{"A": "accepted" | "rejected" | "silently wrong", ...}``."""
+def check_predictions(fn: Callable[[], dict], cluster) -> Verdict:
+    """Exercise 1: ``fn()`` returns ``{"A": answer, ...}``, an answer being "accepted" or the
+    call DeepSpeed raises at ("initialize", "step", "no_sync", ... :data:`ANSWERS`)."""
     return check_cases(
-        "predict: accepted, rejected or silently wrong",
-        [_prediction_case(fn, letter) for letter in SCENARIOS],
-        "rejections are about boundary-gated work in backward() or a second owner of the "
-        "boundary; silent traps are about scaling, counting and DeepSpeed's lenient parsing.",
+        "predict the matrix, then measure it",
+        [_prediction_case(fn, letter, cluster) for letter in SCENARIOS],
+        "read the rules table: a rule fires at its own call (initialize, a method, or entering "
+        "a with-block), only when its condition holds for THIS stage and mode; the first call "
+        "of the script that meets one raises.",
     )
 
 
-# ---------------------------------------------------------------- exercise 2: rules as code
-def initialize_cases() -> list[dict]:
-    """The measured cases whose fate is decided by the config alone (fp32, no offload)."""
+# ---------------------------------------------------------------- exercise 2: a rule for a new case
+def new_cases() -> list[dict]:
+    """Pipeline parallelism at ZeRO stage 2 and 3, managed and unmanaged: not in the matrix."""
     out = []
-    for case in prediction.measured_matrix()["cases"]:
-        axes = case["axes"]
-        grid = case["group"] == "grid" and axes["precision"] == "fp32" and axes["offload"] == "none"
-        config = case["group"] == "config" and axes["check"] in ("sgd_untested", "max_grad_norm")
-        if grid or config or case["group"] in ("amp", "deepcompile"):
-            out.append(case)
+    for stage in (2, 3):
+        for managed in (True, False):
+            config = {
+                **matrix.BASE,
+                "managed_gradient_accumulation": managed,
+                "zero_optimization": {"stage": stage},
+            }
+            axes = {"stage": stage, "managed": managed}
+            out.append(
+                {
+                    "id": f"pipeline/stage={stage}/managed={managed}",
+                    "group": "pipeline",
+                    "axes": axes,
+                    "config": config,
+                    "ops": ["train_batch"],
+                    "pipeline": True,
+                }
+            )
     return out
 
 
-def _refusal_case(fn: Callable, case: dict):
-    refused = case["outcome"] == "rejected" and case["moment"] == "initialize"
+def predict_with(rule: Rule, case: dict) -> tuple[Rule | None, str | None]:
+    """``prediction.predict`` with ``rule`` added after the known rules (where two apply, the
+    known one fires first)."""
+    known, op = prediction.predict(case["config"], case["ops"], case["pipeline"])
+    if known is not None:
+        return known, op
+    config = parse(case["config"])
+    for op in ("initialize", *case["ops"]):
+        action = prediction.OP_ACTIONS.get(op, op)
+        if first_violation(Situation(config, action, False, case["pipeline"]), [rule]):
+            return rule, op
+    return None, None
 
-    def judge(got) -> str | None:
-        if not isinstance(got, bool):
-            return f"return True or False, got {got!r}."
-        if got == refused:
+
+def _compare(rule: Rule, case: dict, got: dict) -> str | None:
+    """None if the rules (with ``rule``) predict what DeepSpeed did with ``case``."""
+    try:
+        fired, op = predict_with(rule, case)
+    except Exception as err:  # the learner's applies() may raise on a config it did not expect
+        return f"{case['id']}: your rule's applies() raised {type(err).__name__}: {err}."
+    if got["outcome"] == "accepted":
+        if fired is None:
             return None
-        if refused:
-            return (
-                f"DeepSpeed {prediction.measured_matrix()['deepspeed_version']} refuses it "
-                f"(measured: {case['exception']}: {case['message'][:90]}), your function accepts."
-            )
-        return "DeepSpeed accepts it (measured), your function refuses it."
+        return f"{case['id']}: DeepSpeed accepts it (measured), the rules refuse it ({fired.name})."
+    where = CALLS[got["raised_in"]]
+    if fired is None:
+        return f"{case['id']}: DeepSpeed raises {_said(got)}; the rules accept it."
+    if op != got["raised_in"] or fired.moment != got["moment"]:
+        return (
+            f"{case['id']}: DeepSpeed raises at {where} (moment {got['moment']!r}); "
+            f"{fired.name} fires at {CALLS.get(op, op)} (moment {fired.moment!r})."
+        )
+    if fired.deepspeed_raises != got["exception"]:
+        return f"{case['id']}: DeepSpeed raises {got['exception']}, {fired.name} says {fired.deepspeed_raises}."
+    if not fired.deepspeed_message or not got["message"].startswith(fired.deepspeed_message):
+        return (
+            f"{case['id']}: DeepSpeed's message starts {got['message'][:70]!r}; "
+            f"{fired.name}'s deepspeed_message is {fired.deepspeed_message!r}."
+        )
+    return None
 
-    return (case["id"], lambda: fn(case["config"]), judge)
 
+def check_new_rule(fn: Callable[[], Rule], cluster) -> Verdict:
+    """Exercise 2: ``fn()`` returns the :class:`Rule` DeepSpeed enforces for pipeline
+    parallelism at ZeRO stage 2/3, checked against those cases measured now and against every
+    case of the committed matrix."""
+    state: dict = {}
 
-def check_refusal_rules(fn: Callable[[dict], bool]) -> Verdict:
-    """Exercise 2: ``fn(config)`` says whether DeepSpeed refuses the config at initialize."""
+    def the_rule() -> Rule:
+        if "rule" not in state:
+            rule = fn()  # first: an untouched TODO raises here, before anything is measured
+            if not isinstance(rule, Rule):
+                raise TypeError(f"return a gas_lab.rules.refusals.Rule, got {type(rule).__name__}")
+            state["rule"] = rule
+        return state["rule"]
+
+    def new(case: dict):
+        def run():
+            rule = the_rule()
+            return _compare(rule, case, measure_live([case], cluster)[0])
+
+        return (f"new: {case['id']}, measured now", run, lambda problem: problem)
+
+    def committed():
+        rule = the_rule()
+        for case in _committed().values():
+            try:
+                parse(case["config"])
+            except ConfigError:  # gas_lab refuses DeepSpeed's lenient parsing: not a rule case
+                continue
+            problem = _compare(rule, case, case)
+            if problem is not None:
+                return problem
+        return None
+
+    cases = [new(c) for c in new_cases()]
+    cases.append(("every case of the committed matrix", committed, lambda problem: problem))
     return check_cases(
-        "DeepSpeed's initialize-time refusals, as code",
-        [_refusal_case(fn, c) for c in initialize_cases()],
-        "five rules decide these cases: look at the table's 'initialize' rows, and at which "
-        "ZeRO stages the measured matrix (not the message) says overlap_comm is refused.",
+        "a rule for pipelines at ZeRO-2/3",
+        cases,
+        "measure first: lesson06.measure_live(lesson06.new_cases(), cluster) shows each "
+        "exception, its message and the op that raised. Then Rule(..., action='initialize', "
+        "moment='initialize', deepspeed_raises=<the type>, deepspeed_message=<the message's "
+        "start>, applies=lambda s: ...), reading s.pipeline and s.config.zero_optimization.stage.",
     )

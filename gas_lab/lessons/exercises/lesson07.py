@@ -1,8 +1,13 @@
-"""Checkers for lesson 07 (the capstone): the micro-batch loss, and the step's global token count.
+"""Checkers for lesson 07's exercises (the capstone's RL-style loop).
 
-Exercise 1 runs on one process: it plays W ranks one after the other, averages their gradients
-as DeepSpeed does at ``step()``, and compares with the gradient of every rank's rollouts as one
-batch. Exercise 2 runs on the notebook's ranks (pass ``cluster``).
+1. :func:`check_sequence_mean_loss`: a different objective on the same ragged rollouts: the
+   sequence-level mean of GRPO-style trainers (each sequence's token mean, then the mean over
+   every sequence of every rank). One process plays W ranks, averages their gradients as
+   DeepSpeed's ``step()`` does, and compares with the objective on one big batch.
+2. :func:`check_trainer`: a bug hunt. :class:`CachedCountTrainer` is the capstone's loop as a
+   trainer object, with one subtle count bug; the checker trains the learner's fixed trainer
+   on real DeepSpeed on the notebook's ranks and measures its drift from the one-process
+   reference after every step (pass ``cluster``).
 """
 
 from __future__ import annotations
@@ -10,34 +15,42 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 
-from gas_lab.accumulate import Batch, Window, compare_grads, full_batch_gradient, grads_of
-from gas_lab.accumulate import token_loss as _token_loss
+from gas_lab.accumulate import (
+    Batch,
+    Window,
+    compare_grads,
+    full_batch_gradient,
+    grads_of,
+    token_loss,
+)
+from gas_lab.dp import global_count
 from gas_lab.lessons.exercises.on_ranks import run_on_ranks
 from gas_lab.lessons.exercises.verdict import Verdict, check_cases
-from gas_lab.lessons.rollouts import StepCounts, micro_batch_loss, rollouts
-from gas_lab.lessons.toys import TinyTransformer
+from gas_lab.lessons.rollouts import capstone_config, reference_run, rollouts, to_device
+from gas_lab.lessons.toys import TinyTransformer, flat_params
 
-TOL = 1e-5  # max relative gradient error accepted (float32 noise is ~1e-7)
-
-# (world size, step) with seed 7: step 3 gives 2 ranks 111 and 12 tokens; step 1 gives 3
-# ranks 13, 67 and 41.
-_TWO, _THREE = (2, 3), (3, 1)
+TOL = 1e-5  # max relative gradient (or absolute parameter) error accepted; float32 is ~1e-7
 
 
-def _per_rank(world_size: int, step: int) -> list[list[Batch]]:
-    return [rollouts(step, r, seed=7) for r in range(world_size)]
+# ---------------------------------------------------------------- exercise 1: the sequence mean
+def _counts(per_rank: list[list[Batch]]) -> dict:
+    return {
+        "all_sequences": sum(Window.of(mbs).n_samples for mbs in per_rank),
+        "all_tokens": sum(Window.of(mbs).n_tokens for mbs in per_rank),
+        "world_size": len(per_rank),
+    }
 
 
-def rank_averaged_gradient(per_rank: list[list[Batch]], loss_of: Callable) -> dict:
+def _rank_averaged_gradient(per_rank: list[list[Batch]], loss_of: Callable) -> dict:
     """What DeepSpeed's ``step()`` applies, on one process: each rank's summed gradient of
-    ``loss_of(token_losses, mask, counts)`` over its micro-batches, then the mean over ranks."""
-    total = sum(Window.of(mbs).n_tokens for mbs in per_rank)
-    grads = []
+    ``loss_of(token_losses, mask, rank_sequences, counts)`` over its micro-batches, averaged."""
+    counts, grads = _counts(per_rank), []
     for mbs in per_rank:
-        counts, model = StepCounts(Window.of(mbs), total, len(per_rank)), TinyTransformer(3)
+        model, rank_sequences = TinyTransformer(3), Window.of(mbs).n_samples
         for mb in mbs:
-            loss = loss_of(_token_loss(model, mb), mb.mask, counts)
+            loss = loss_of(token_loss(model, mb), mb.mask, rank_sequences, *counts.values())
             if not (torch.is_tensor(loss) and loss.requires_grad):
                 raise TypeError("the loss carries no gradient: return a tensor, not .item()")
             loss.backward()
@@ -45,143 +58,171 @@ def rank_averaged_gradient(per_rank: list[list[Batch]], loss_of: Callable) -> di
     return {k: sum(g[k] for g in grads) / len(per_rank) for k in grads[0]}
 
 
-def _big_batch_gradient(per_rank: list[list[Batch]]) -> dict:
-    every = [mb for mbs in per_rank for mb in mbs]
-    big = Batch(*(torch.cat([getattr(m, k) for m in every]) for k in ("x", "y", "mask")))
-    return full_batch_gradient(TinyTransformer(3), big, _token_loss, "per_token")
+def _sequence_means(tl, mask):
+    return (tl * mask).sum(1) / mask.sum(1)
 
 
-# Wrong answers the judge recognises by their gradient, as (tl, mask, counts) -> loss.
+# The wrong answers the judge recognises, in the exercise's signature.
+def _per_token(tl, m, rank_sequences, all_sequences, all_tokens, world_size):
+    return (tl * m).sum() / all_tokens * world_size
+
+
+def _own_sequences(tl, m, rank_sequences, all_sequences, all_tokens, world_size):
+    return _sequence_means(tl, m).sum() / rank_sequences
+
+
+def _micro_batch_mean(tl, m, rank_sequences, all_sequences, all_tokens, world_size):
+    return (tl * m).sum() / m.sum() * len(m) / all_sequences * world_size
+
+
 _MISTAKES = {
-    "local_tokens": lambda tl, m, c: micro_batch_loss(tl, m, "local_tokens", c),
-    "mean_of_means": lambda tl, m, c: micro_batch_loss(tl, m, "mean_of_means", c),
-    "own_mean": lambda tl, m, c: (tl * m).sum() / m.sum(),
-    "padding": lambda tl, m, c: tl.sum() / c.global_tokens * c.world_size,
+    "per-token": _per_token,
+    "own sequences": _own_sequences,
+    "micro-batch mean": _micro_batch_mean,
 }
 
 
-# ---------------------------------------------------------------- exercise 1
-def _loss_case(fn: Callable, world_size: int, step: int) -> Callable[[], dict]:
-    def learner(tl, mask, c: StepCounts):
-        return fn(tl, mask, c.local.n_tokens, c.global_tokens, c.world_size)
-
+def _sequence_case(fn: Callable, world_size: int, step: int) -> Callable[[], dict]:
     def run() -> dict:
-        per_rank = _per_rank(world_size, step)
+        per_rank = [rollouts(step, r, seed=7) for r in range(world_size)]
+        every = [mb for mbs in per_rank for mb in mbs]
+        big = Batch(*(torch.cat([getattr(m, k) for m in every]) for k in ("x", "y", "mask")))
         return {
-            "got": rank_averaged_gradient(per_rank, learner),
-            "ref": _big_batch_gradient(per_rank),
+            "got": _rank_averaged_gradient(per_rank, fn),
+            "ref": full_batch_gradient(TinyTransformer(3), big, token_loss, "per_sample"),
             "per_rank": per_rank,
         }
 
     return run
 
 
-def _judge_loss(r: dict) -> str | None:
+def _judge_sequence(r: dict) -> str | None:
     got, ref, per_rank = r["got"], r["ref"], r["per_rank"]
     err = compare_grads(got, ref)
     if err.max_rel < TOL:
         return None
-    w = len(per_rank)
-
-    def close(other: dict, factor: float = 1.0) -> bool:
-        return compare_grads(got, {k: v * factor for k, v in other.items()}).max_rel < TOL
-
-    def mistake(name: str) -> bool:
-        return close(rank_averaged_gradient(per_rank, _MISTAKES[name]))
-
-    off = f"off by {err.max_rel:.1%} (max relative)"
+    w, off = len(per_rank), f"off by {err.max_rel:.1%} (max relative)"
     # The right direction, a wrong size? Project the gradient on the reference's direction.
     dot = sum((got[k].double() * ref[k].double()).sum() for k in ref)
     factor = (dot / sum(ref[k].double().pow(2).sum() for k in ref)).item()
-    if close(ref, factor):
+    if compare_grads(got, {k: v * factor for k, v in ref.items()}).max_rel < TOL:
         if abs(factor * w - 1) < 1e-3:
             return (
-                f"the step's gradient is 1/{w} of the big batch's: DeepSpeed AVERAGES gradients "
-                f"over the {w} ranks, so multiply each loss by world_size."
+                f"the step's gradient is 1/{w} of the objective's: DeepSpeed AVERAGES the "
+                f"{w} ranks' gradients, so multiply by world_size."
             )
-        return (
-            f"the step's gradient is {factor:.3g} x the big batch's: right direction, wrong "
-            "size. The only factor the loss needs besides 1/all_tokens is x world_size, once."
-        )
-    if mistake("local_tokens"):
-        return (
-            "each rank divided by its OWN tokens (rank_tokens): after DeepSpeed's average, a "
-            f"rank with few tokens weighs as much as one with many; {off}. Use all_tokens."
-        )
-    if mistake("mean_of_means") or mistake("own_mean"):
-        return f"each micro-batch is divided by its own token count (mean of means); {off}."
-    if mistake("padding"):
-        return f"padding positions count as tokens: multiply the token losses by the mask; {off}."
-    return f"the gradient differs from the big batch's: {err}."
+        return f"right direction, {factor:.3g} x the objective's size."
+    for name, mistake in _MISTAKES.items():
+        if compare_grads(got, _rank_averaged_gradient(per_rank, mistake)).max_rel >= TOL:
+            continue
+        return {
+            "per-token": f"that is the per-token objective (long sequences weigh more); {off}.",
+            "own sequences": (
+                "each rank divided by its OWN sequences: after DeepSpeed's average every rank "
+                f"weighs the same, whatever it holds; {off}. Use all_sequences."
+            ),
+            "micro-batch mean": (
+                "every token of a micro-batch weighs the same (its mean over the micro-batch's "
+                f"tokens), not every token of a sequence; {off}."
+            ),
+        }[name]
+    return f"the gradient differs from the sequence-mean objective's: {err}."
 
 
-def check_micro_batch_loss(fn: Callable) -> Verdict:
-    """Exercise 1: ``fn(token_losses, mask, rank_tokens, all_tokens, world_size)`` -> scalar."""
+def check_sequence_mean_loss(fn: Callable) -> Verdict:
+    """Exercise 1: ``fn(token_losses, mask, rank_sequences, all_sequences, all_tokens,
+    world_size)`` -> the scalar one micro-batch hands to ``engine.backward(loss,
+    scale_wrt_gas=False)`` for the sequence-level mean over every sequence of every rank."""
     cases = [
-        ("1 rank", _loss_case(fn, 1, 1), _judge_loss),
-        ("2 ranks with very different token counts", _loss_case(fn, *_TWO), _judge_loss),
-        ("3 ranks", _loss_case(fn, *_THREE), _judge_loss),
+        ("1 rank", _sequence_case(fn, 1, 1), _judge_sequence),
+        ("2 ranks with very different token counts", _sequence_case(fn, 2, 3), _judge_sequence),
+        ("3 ranks", _sequence_case(fn, 3, 1), _judge_sequence),
     ]
     return check_cases(
-        "micro-batch loss for backward(scale_wrt_gas=False)",
+        "a sequence-level mean on ragged ranks",
         cases,
-        "every real token of the step, on every rank, should weigh the same (padding: "
-        "nothing); then remember that DeepSpeed divides the sum of the ranks' gradients by "
-        "world_size at step().",
+        "every SEQUENCE of the step weighs the same, its tokens sharing its weight: a row's "
+        "loss is its token mean ((tl * mask).sum(1) / mask.sum(1)); sum those, divide by the "
+        "step's sequences on every rank, and undo DeepSpeed's average over ranks once.",
     )
 
 
-# ---------------------------------------------------------------- exercise 2
-def _count_on_rank(fn: Callable, step: int):
-    """Runs on each rank: the learner's count for this rank's rollouts of ``step``."""
-    import torch.distributed as dist
+# ---------------------------------------------------------------- exercise 2: find the bug
+class CachedCountTrainer:
+    """The capstone's loop as a trainer object: call ``train_step`` once per optimizer step,
+    on every rank, with the micro-batches that finished on this rank."""
 
-    # nccl reduces only GPU tensors: hand the masks over where this rank computes.
-    device = f"cuda:{torch.cuda.current_device()}" if dist.get_backend() == "nccl" else "cpu"
-    masks = [mb.mask.to(device) for mb in rollouts(step, dist.get_rank(), seed=7)]
-    out = fn(masks)
-    return None if out is None else float(out)
+    def __init__(self, engine):
+        self.engine = engine
+        self.world = dist.get_world_size()
+        self.tokens = None  # the step's real tokens on all ranks
+
+    def train_step(self, micro_batches):
+        if self.tokens is None:  # one all-reduce, not one per micro-batch
+            self.tokens = global_count(sum(int(mb.mask.sum()) for mb in micro_batches))
+        for mb in micro_batches:
+            loss = (token_loss(self.engine, mb) * mb.mask).sum() / self.tokens * self.world
+            self.engine.backward(loss, scale_wrt_gas=False)
+        self.engine.step()
 
 
-def check_global_token_count(fn: Callable, cluster) -> Verdict:
-    """Exercise 2: ``fn(masks)``, on every rank, returns the step's real tokens on ALL ranks."""
-    w = cluster.world_size
+STEPS = 4
+CONFIG = capstone_config(stage=1, clip=0.0)
 
-    def run(step: int):
-        return lambda: run_on_ranks(cluster, _count_on_rank, fn, step)
 
-    def judge(step: int):
-        per_rank = [rollouts(step, r, seed=7) for r in range(w)]
-        mine = [float(Window.of(mbs).n_tokens) for mbs in per_rank]
-        padded = [float(sum(mb.mask.numel() for mb in mbs)) for mbs in per_rank]
+def _trainer_run(trainer_cls, steps: int) -> dict:
+    """On a rank: a DeepSpeed engine, the learner's trainer, ``steps`` steps of rollouts."""
+    from gas_lab.measure.parity import deepspeed_initialize
 
-        def problem(got: list) -> str | None:
-            want = sum(mine)
-            for rank, value in enumerate(got):
-                if value == want:
-                    continue
-                why = ""
-                if value is None:
-                    why = " (return the count)"
-                elif value == mine[rank]:
-                    why = " (this rank's own count: all_reduce it across ranks)"
-                elif value == sum(padded) or value == padded[rank]:
-                    why = " (padding counted: sum the masks, not their sizes)"
-                elif value == want / w:
-                    why = " (the mean over ranks: keep the SUM)"
-                shown = "None" if value is None else f"{value:g}"
-                return f"rank {rank} returned {shown}, expected {want:g} on every rank{why}."
-            return None
+    model = TinyTransformer(0)
+    engine = deepspeed_initialize()(
+        model=model, model_parameters=model.parameters(), config=CONFIG
+    )[0]
+    trainer, params, tokens = trainer_cls(engine), [], []
+    for step in range(steps):
+        micro = [to_device(mb, engine.device) for mb in rollouts(step, dist.get_rank())]
+        tokens.append(Window.of(micro).n_tokens)
+        trainer.train_step(micro)
+        params.append(flat_params(engine.module))
+    return {"params": params, "tokens": tokens}
 
-        return problem
+
+def check_trainer(fn: Callable, cluster) -> Verdict:
+    """Exercise 2: ``fn(engine)`` builds a trainer (``CachedCountTrainer`` fixed) whose
+    ``train_step(micro_batches)`` follows the one-big-batch reference at every step."""
+    world = cluster.world_size
+    measured: dict = {}
+
+    def run():  # one training run on the ranks, judged step by step
+        if "per_rank" not in measured:
+            measured["per_rank"] = run_on_ranks(cluster, _trainer_run, fn, STEPS, timeout=300)
+            measured["reference"] = reference_run(CONFIG, STEPS, world_size=world)["params"]
+        return measured
+
+    def after(step: int):
+        def judge(m) -> str | None:
+            per_rank, reference = m["per_rank"], m["reference"]
+            drift = [
+                max((r["params"][s] - reference[s]).abs().max().item() for r in per_rank)
+                for s in range(STEPS)
+            ]
+            if drift[step] <= TOL:
+                return None
+            tokens = [sum(r["tokens"][s] for r in per_rank) for s in range(STEPS)]
+            shown = ", ".join(f"{d:.1e}" for d in drift)
+            lead = f"drift from the reference after each step: {shown}; the steps' tokens: {tokens}"
+            if step > 0:
+                return (
+                    f"{lead}. Step 1 is right and step {step + 1} is not: what does step "
+                    f"{step + 1} use that still comes from step 1?"
+                )
+            return f"{lead}. Already the first step is wrong."
+
+        return judge
 
     return check_cases(
-        "global token count",
-        [(f"step {s}: tokens per rank {_tokens(s, w)}", run(s), judge(s)) for s in (3, 1)],
-        "count this rank's real tokens (sum of the masks), put the number in a tensor, "
-        "dist.all_reduce it (a sum), and return it; every rank must make the call.",
+        "the trainer that drifts",
+        [(f"after step {s + 1} of {STEPS}", run, after(s)) for s in range(STEPS)],
+        "each step has its own rollouts, so its own token count: all-reduce it every step, on "
+        "every rank, before the step's first backward (one all-reduce per step is the price).",
     )
-
-
-def _tokens(step: int, world_size: int) -> list[int]:
-    return [Window.of(rollouts(step, r, seed=7)).n_tokens for r in range(world_size)]

@@ -33,3 +33,14 @@ def run_on_ranks(cluster, case: Callable, fn: Callable, *args, timeout: float = 
         if kind == "raised":
             raise RankFailure(f"on rank {rank}: {value}")
     return [value for _, value in results]
+
+
+_MEASURED: dict = {}  # (what, key) -> its measurement: the checkers measure deterministic runs
+
+
+def measured_once(key, measure: Callable[[], object]):
+    """``measure()`` the first time ``key`` is asked for in this session, then the same result:
+    a prediction is checked against a live run without paying for it again on every check."""
+    if key not in _MEASURED:
+        _MEASURED[key] = measure()
+    return _MEASURED[key]

@@ -90,3 +90,13 @@ def check_cases(
     return Verdict(
         exercise, "passed", f"all {len(cases)} cases match the reference.", len(cases), len(cases)
     )
+
+
+def answer_for(fn: Callable[[], object], key: str, example: str):
+    """The learner's answer for ``key`` from ``fn()``, which returns a dict of answers (as in
+    ``{example}``). Called first in a case, so an untouched TODO is reported before the
+    checker measures anything."""
+    answers = fn()
+    if not isinstance(answers, dict):
+        raise TypeError(f"return a dict like {example}, got {type(answers).__name__}")
+    return answers.get(key)
