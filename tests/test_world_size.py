@@ -71,7 +71,9 @@ def test_nccl_itself_refuses_two_ranks_on_one_gpu(tmp_path):
     ('Duplicate GPU detected'). If this ever passes an all-reduce, the refusal can be relaxed."""
     script = tmp_path / "two_on_one.py"
     script.write_text(_TWO_RANKS_ONE_GPU)
-    env = os.environ | {"CUDA_VISIBLE_DEVICES": (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0]}
+    env = os.environ | {
+        "CUDA_VISIBLE_DEVICES": (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0]
+    }
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     proc = subprocess.Popen(
         [*cmd, str(script)],
