@@ -3,6 +3,7 @@ DeepSpeed 0.19.8: its own scaler classes (CPU), its fp16 engine on the CPU accel
 accelerator's fp16 check lifted (2 CPU ranks), and its fp16 engine on a GPU (marked ``gpu``)."""
 
 import json
+import os
 import subprocess
 import sys
 from contextlib import contextmanager
@@ -252,13 +253,11 @@ def fp16_check_lifted():
 
 
 def compare_lifted(stage, managed):
-    from gas_lab.measure.loss_scale import compare
+    from gas_lab.measure.loss_scale import MICRO_BATCHES, PLAN, compare
 
-    plan = [None, None, 1, None, None, None, 0, 1, None, None]
     config = fp16_config(stage, managed)
-    micro_batches = None if managed else [2, 3, 2, 1, 2, 1, 3, 2, 2, 2]
     with fp16_check_lifted():
-        return compare(config, plan, micro_batches, inf_rank=1, device="cpu")
+        return compare(config, PLAN, None if managed else MICRO_BATCHES, inf_rank=1, device="cpu")
 
 
 @pytest.mark.ranks
@@ -279,29 +278,15 @@ def test_matches_deepspeed_fp16_engine_on_cpu_ranks(cluster, stage, managed):
 
 # -- against DeepSpeed's fp16 engine on a GPU -----------------------------------------------------
 
-_GPU_CHILD = """
-import json, sys
-from gas_lab.dp import init_from_env
-init_from_env()
-from gas_lab.measure.loss_scale import compare, fp16_config, run_plan
-stage, managed = int(sys.argv[1]), sys.argv[2] == "1"
-config = fp16_config(stage, managed)
-plan = [None, None, 1, None, None, None, 0, 1, None, None]
-mb = None if managed else [2, 3, 2, 1, 2, 1, 3, 2, 2, 2]
-out = {"compare": compare(config, plan, mb, device="cuda")}
-textbook = run_plan("gas_lab", config, [None], stage0_as_deepspeed=False, device="cuda")
-out["textbook_grad"] = textbook.grad_after_first_backward
-print(json.dumps(out))
-"""
 
-
-def _on_one_gpu(tmp_path, *args: str) -> dict:
-    """The child under torchrun with one rank: nccl, as a GPU job runs (and the process group
-    stays out of the test process)."""
-    script = tmp_path / "fp16_gpu_child.py"
-    script.write_text(_GPU_CHILD)
+@pytest.fixture(scope="module")
+def on_one_gpu():
+    """All four comparisons in one child under torchrun with one rank (nccl, as a GPU job runs;
+    the process group stays out of the test process)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"]
-    proc = subprocess.run([*cmd, str(script), *args], capture_output=True, text=True, timeout=300)
+    cmd += ["-m", "gas_lab.measure.loss_scale"]
+    env = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"}  # let it find the GPU
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("{")][-1])
 
@@ -310,14 +295,13 @@ def _on_one_gpu(tmp_path, *args: str) -> dict:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("managed", [True, False])
 @pytest.mark.parametrize("stage", [0, 1])
-def test_matches_deepspeed_fp16_engine_on_gpu(tmp_path, stage, managed):
-    out = _on_one_gpu(tmp_path, str(stage), "1" if managed else "0")
-    r = out["compare"]
+def test_matches_deepspeed_fp16_engine_on_gpu(on_one_gpu, stage, managed):
+    r = on_one_gpu[f"stage {stage}, {'managed' if managed else 'unmanaged'}"]
     assert r["steps_equal"], (r["gas_lab"], r["deepspeed"])
     assert [s["applied"] for s in r["deepspeed"]] == [T, T, F, T, T, T, F, F, T, T]
     assert r["max_abs_diff"] <= 1e-3, r["max_abs_diff"]  # a few fp16 ulps, GPU kernels
     # The trap: at stage 0 DeepSpeed's first gradient is the unscaled one, at ZeRO-1 the scaled.
-    ds_grad, textbook = r["grad_after_first_backward"]["deepspeed"], out["textbook_grad"]
+    ds_grad, textbook = r["grad_after_first_backward"]["deepspeed"], r["textbook_grad"]
     if stage == 0:
         assert textbook / ds_grad == pytest.approx(2.0**8, rel=1e-2)
     elif not managed:  # managed ZeRO-1 moves gradients out of .grad during backward

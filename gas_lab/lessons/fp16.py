@@ -106,7 +106,7 @@ class Fp16Loop:
 
     def step(self) -> None:
         if self.is_gradient_accumulation_boundary():
-            self._step_applied = self._boundary()
+            self._step_applied = self.update()
             self.global_steps += 1
             if self._managed:
                 self.global_samples += self._train_batch
@@ -131,7 +131,8 @@ class Fp16Loop:
         return [g["lr"] for g in self.optimizer.param_groups]
 
     # -- the boundary ----------------------------------------------------------------------------
-    def _boundary(self) -> bool:
+    def update(self) -> bool:
+        """The boundary: reduce, check for overflow, move the scale, then step or skip."""
         for p in self.params:
             if p.grad is None:  # unused on this rank: it still joins the reduction
                 p.grad = torch.zeros_like(p)

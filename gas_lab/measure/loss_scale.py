@@ -144,3 +144,36 @@ def compare(
             "deepspeed": ref.grad_after_first_backward,
         },
     }
+
+
+# The plan the GPU checks use: infs in micro-batch 1 of step 2, micro-batch 0 of step 6 and
+# micro-batch 1 of step 7; unmanaged steps run a different number of micro-batches each.
+PLAN = [None, None, 1, None, None, None, 0, 1, None, None]
+MICRO_BATCHES = [2, 3, 2, 1, 2, 1, 3, 2, 2, 2]
+
+
+def compare_all(device: str = "cuda") -> dict:
+    """Stages 0 and 1, managed and unmanaged: gas_lab's loop against DeepSpeed's fp16 engine,
+    plus the first gradient of a textbook loop (loss scaled at every stage) for the stage-0 trap.
+    """
+    out = {}
+    for stage in (0, 1):
+        for managed in (True, False):
+            config = fp16_config(stage, managed)
+            mb = None if managed else MICRO_BATCHES
+            result = compare(config, PLAN, mb, device=device)
+            textbook = run_plan("gas_lab", config, [None], stage0_as_deepspeed=False, device=device)
+            result["textbook_grad"] = textbook.grad_after_first_backward
+            out[f"stage {stage}, {'managed' if managed else 'unmanaged'}"] = result
+    return out
+
+
+if __name__ == "__main__":  # one process per GPU under torchrun; rank 0 prints one JSON line
+    import json
+
+    from gas_lab.dp import init_from_env
+
+    init_from_env()
+    results = compare_all()
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(json.dumps(results), flush=True)
