@@ -24,7 +24,7 @@ With gradient accumulation the scale is a property of the *step*, not of the mic
   ``FP16_Optimizer``/``FP16_UnfusedOptimizer``, whose own ``_update_scale``
   (``unfused_optimizer.py:277-301``) has no hysteresis and stops at ``min_scale`` without
   raising: :func:`for_deepspeed` builds the one that matches a config and a stage.
-* DeepSpeed updates the scale *before* it unscales (``unfused_optimizer.py:226-227``,
+* DeepSpeed updates the scale *before* it unscales (``unfused_optimizer.py:227-228``,
   ``stage_1_and_2.py:3047`` then ``:3198``): on a step where the scale grows, the gradient is
   divided by the *new* scale, so that one update uses half the gradient. A loop matching
   DeepSpeed calls :meth:`update` first, then :meth:`unscale_`.

@@ -23,7 +23,7 @@ At ZeRO stage 0 DeepSpeed 0.19.8 does two more things, reproduced while
   no protection from underflow and the update uses ``gradient / scale`` (Adam hardly notices, SGD
   takes a step ``scale`` times too small): a trap;
 * its fp16 optimizers run one optimizer step on zero gradients when they are built
-  (``unfused_optimizer.py:412-425``, ``fused_optimizer.py:125-133``), so Adam's bias correction
+  (``unfused_optimizer.py:412-425``, ``fused_optimizer.py:125-130``), so Adam's bias correction
   counts one step more than a fresh Adam's.
 
 The loss scaler itself is :mod:`gas_lab.loss_scaling`; the whole topic is taught in lesson 07.
