@@ -15,7 +15,7 @@ ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root)
 # DeepSpeed without a GPU uses its CPU accelerator.
 export DS_ACCELERATOR ?= cpu
 
-.PHONY: install lab test unit notebooks lint course docs clean
+.PHONY: install lab test unit notebooks lint course docs gpu-check clean
 
 install: $(STAMP)
 
@@ -58,5 +58,8 @@ docs: $(STAMP)  ## the docs site in build/html, from the executed notebooks, war
 	$(BIN)/sphinx-build -W --keep-going -q -b html docs build/html
 	@echo "docs: open build/html/index.html"
 
+gpu-check:  ## on a CUDA machine: scripts under torchrun/deepspeed, gpu tests, lessons 00/07 (nccl)
+	bash tools/gpu_check.sh
+
 clean:
-	rm -rf build docs/lessons docs/_generated .pytest_cache .ruff_cache
+	rm -rf build docs/lessons docs/_generated .pytest_cache .ruff_cache .venv-gpu
