@@ -11,17 +11,18 @@ Three dtypes decide where a bf16 run rounds, and DeepSpeed derives all three fro
 
 What DeepSpeed does with each combination (measured on the CPU accelerator, both modes alike):
 
-=====================  =============================  =====================================
-bf16, grad_accum_dtype  stage 0                        stage 1
-=====================  =============================  =====================================
-off, absent or fp32     the torch optimizer            ``DeepSpeedZeroOptimizer``
-off, bf16/fp16          NotImplementedError            accepted (a lower-precision buffer;
+========================  ===========================  ==================================
+bf16, grad_accum_dtype    stage 0                      stage 1
+========================  ===========================  ==================================
+off, absent or fp32       the torch optimizer          ``DeepSpeedZeroOptimizer``
+off, bf16 or fp16         NotImplementedError          accepted (a lower-precision buffer;
                                                        not in gas_lab)
-on, absent or bf16      ``FP16_UnfusedOptimizer``:     ``DeepSpeedZeroOptimizer``: bf16
-                        bf16 ``.grad``, fp32 master    ``.grad``, fp32 master shard
-on, fp32                NotImplementedError            ``BF16_Optimizer``: every micro-batch's
-                                                       bf16 gradient added into fp32 buffers
-=====================  =============================  =====================================
+on, absent or bf16        ``FP16_UnfusedOptimizer``:   ``DeepSpeedZeroOptimizer``: bf16
+                          bf16 ``.grad``, fp32 master  ``.grad``, fp32 master shard
+on, fp32                  NotImplementedError          ``BF16_Optimizer``: every
+                                                       micro-batch's bf16 gradient added
+                                                       into fp32 buffers
+========================  ===========================  ==================================
 
 fp16 is refused on this CPU (``ValueError: Type fp16 is not supported on your device.``) and is
 out of gas_lab's scope everywhere. :func:`route` returns the :class:`Precision` of a config;

@@ -268,10 +268,11 @@ class ShardedUpdate:
             )
         if load_optimizer_states:
             self.optimizer.load_state_dict(state["optimizer"])
+        # The exact fp32 shards with the optimizer state, else rebuilt from the loaded weights.
+        saved = state["masters"] if load_optimizer_states else [None] * len(self.groups)
         with torch.no_grad():
-            for g, saved in zip(self.groups, state["masters"], strict=True):
-                # Exact fp32 shard with the optimizer state, else from the loaded weights.
-                g.master.copy_(saved if load_optimizer_states else g.flat[g.start : g.end])
+            for g, master in zip(self.groups, saved, strict=True):
+                g.master.copy_(master if master is not None else g.flat[g.start : g.end])
 
 
 def global_norm(shards: list[torch.Tensor], group=None) -> torch.Tensor:

@@ -253,7 +253,12 @@ def test_gas_lab_routes_precision_to_deepspeeds_optimizer_wrapper():
         measured = case["observed"]["optimizer"]
         assert wrapper == measured, f"{case['id']}: gas_lab mirrors {wrapper}, DeepSpeed {measured}"
         wrappers.add(measured)
-    assert {"AdamW", "DeepSpeedZeroOptimizer", "FP16_UnfusedOptimizer", "BF16_Optimizer"} <= wrappers
+    assert {
+        "AdamW",
+        "DeepSpeedZeroOptimizer",
+        "FP16_UnfusedOptimizer",
+        "BF16_Optimizer",
+    } <= wrappers
 
 
 @pytest.mark.ranks

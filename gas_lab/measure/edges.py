@@ -61,13 +61,21 @@ def play(engine, evs, seed: int = 0, lr_kwargs=None, loss_scale: float = 1.0) ->
     return trace
 
 
-def build(lib: str, config: dict, seed: int = 0, **kw):
-    """A fresh engine of ``lib`` on ``tiny_model(seed)``; quiet DeepSpeed's logging."""
+def _quiet_initializer(lib: str):
+    """``initializer(lib)``, with DeepSpeed's logging quieted *after* its import (which sets
+    its logger's level): no progress, memory or 'scheduler not started' lines."""
     import logging
 
+    init = initializer(lib)
     logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
+    return init
+
+
+def build(lib: str, config: dict, seed: int = 0, **kw):
+    """A fresh engine of ``lib`` on ``tiny_model(seed)`` (``model=`` to pass another)."""
     model = kw.pop("model", None) or tiny_model(seed)
-    return initializer(lib)(model=model, model_parameters=model.parameters(), config=config, **kw)
+    init = _quiet_initializer(lib)
+    return init(model=model, model_parameters=model.parameters(), config=config, **kw)
 
 
 def lr_trace(lib: str, config: dict, micro_batches: list[int], lr_kwargs=None) -> dict:
@@ -136,9 +144,13 @@ def boundary_gradient(lib: str, config: dict, n: int) -> dict:
     model = tiny_model(0, **DIMS)
     optimizer = RecordingSGD(model.parameters(), lr=0.0)
     try:
-        engine, wrapped, *_ = initializer(lib)(model=model, optimizer=optimizer, config=config)
+        engine, wrapped, *_ = _quiet_initializer(lib)(model=model, optimizer=optimizer,
+                                                      config=config)  # fmt: skip
     except Exception as err:  # the point: which libraries refuse, and with what
-        return {"refused": f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"}
+        # gas_lab's refusals name the exception type DeepSpeed raises for the same rule.
+        raises = getattr(getattr(err, "rule", None), "deepspeed_raises", type(err).__name__)
+        return {"refused": f"{type(err).__name__}: {str(err).splitlines()[0][:160]}",
+                "raises_as": raises}  # fmt: skip
     rank = dist.get_rank()
     dtype = next(engine.module.parameters()).dtype
     for micro in range(n):
@@ -152,9 +164,9 @@ def boundary_gradient(lib: str, config: dict, n: int) -> dict:
     dist.all_gather_object(parts, optimizer.seen)
     numel = sum(p.numel() for p in model.parameters())
     seen = optimizer.seen if optimizer.seen.numel() >= numel else torch.cat(parts)
-    wrapper = type(wrapped).__name__  # DeepSpeed's wrapper; gas_lab names the one it mirrors
-    if lib == "gas_lab" and engine.precision is not None and engine.precision.wrapper:
-        wrapper = engine.precision.wrapper
+    wrapper = "none" if wrapped is optimizer else type(wrapped).__name__  # DeepSpeed's wrapper
+    if lib == "gas_lab":  # the one gas_lab mirrors
+        wrapper = engine.precision.wrapper or "none"
     return {"gradient": seen[:numel], "wrapper": wrapper}
 
 
