@@ -195,6 +195,10 @@ def _initialize_returns(dataset_size):
     for lib in ("gas_lab", "deepspeed"):
         cfg = make_config(1, False, scheduler=SCHED)
         engine, optimizer, loader, sched = edges.build(lib, cfg, training_data=data)
+        if lib == "deepspeed":
+            # DeepSpeed forks 2 loader workers per iteration and pins memory: neither changes
+            # the batches, and forking a rank that holds many engines can fail for memory.
+            loader.num_local_io_workers, loader.pin_memory = 0, False
         batches = [b[0].tolist() for b in loader]
         again = [b[0].tolist() for b in loader]  # a second epoch, no set_epoch
         loader.data_sampler.set_epoch(1)
