@@ -20,8 +20,9 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from gas_lab import precision, schedules
 from gas_lab.errors import ConfigError, NotImplementedInGasLab
 from gas_lab.rules import refusals
 
@@ -118,7 +119,6 @@ class GasConfig(_Section):
     zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
     zero_allow_untested_optimizer: bool = False
     gradient_clipping: float = Field(1.0, ge=0.0)  # DeepSpeed 0.19.8 clips at 1.0 by default
-    bf16: _Switch = Field(default_factory=_Switch)
     fp16: _Switch = Field(default_factory=_Switch)
     compile: CompileConfig = Field(default_factory=CompileConfig)
     amp: dict | None = None  # present only so gas_lab/rules/refusals.py can say why it is refused
@@ -126,6 +126,33 @@ class GasConfig(_Section):
     steps_per_print: int | None = None  # logging only
     wall_clock_breakdown: bool = False  # logging only
     world_size: int = Field(1, exclude=True)  # not a DeepSpeed key: filled in by load_config
+    # Lesson 08: schedules (gas_lab/schedules.py), sum or mean, precision (gas_lab/precision.py).
+    scheduler: schedules.SchedulerConfig | None = None
+    gradient_allreduce_op: str = "mean"  # "sum": no division by the world size
+    bf16: precision.Bf16Config = Field(default_factory=precision.Bf16Config)
+    data_types: precision.DataTypesConfig = Field(default_factory=precision.DataTypesConfig)
+    communication_data_type: str | None = None  # None: bf16 when bf16 is on, else fp32
+    dataloader_drop_last: bool = False  # for initialize(training_data=...)
+
+    @field_validator("gradient_allreduce_op")
+    @classmethod
+    def _sum_or_mean(cls, value: str) -> str:
+        if value.lower() not in ("mean", "sum"):  # DeepSpeed: any case, then these two
+            raise ValueError(f"Supported operations: ['mean', 'sum']. Got: {value!r}")
+        return value.lower()
+
+    @field_validator("communication_data_type")
+    @classmethod
+    def _comm_dtype(cls, value: str | None) -> str | None:
+        return precision.check_communication_data_type(value)
+
+    @property
+    def model_dtype(self) -> torch.dtype:
+        return precision.model_dtype(self)
+
+    @property
+    def grad_accum_dtype(self) -> torch.dtype:
+        return precision.grad_accum_dtype(self)
 
     @property
     def samples_per_micro_batch(self) -> int:
@@ -213,6 +240,7 @@ def parse(config: dict | GasConfig) -> GasConfig:
         raise _pydantic_to_config_error(err) from None
     if cfg.optimizer is not None:
         _check_optimizer(cfg.optimizer)
+    schedules.check(cfg.scheduler)
     return cfg
 
 

@@ -92,11 +92,24 @@ def all_reduce_mean(tensors: list[torch.Tensor], group=None) -> None:
     Flattening into one buffer sends one message instead of one per tensor: on a real network
     each message pays a fixed latency, so fewer, larger messages are cheaper.
     """
+    all_reduce_gradients(tensors, group)
+
+
+def all_reduce_gradients(
+    tensors: list[torch.Tensor], group=None, average: bool = True, comm_dtype=None
+) -> None:
+    """:func:`all_reduce_mean`, with DeepSpeed's two knobs (lesson 08): ``average=False`` is
+    ``"gradient_allreduce_op": "sum"`` (no division by the world size), and ``comm_dtype``
+    (``communication_data_type``) the dtype the buffer travels in; the result is rounded back
+    into the tensors' own dtype."""
     if group is None or not tensors:
         return
     flat = torch.cat([t.reshape(-1) for t in tensors])
+    if comm_dtype is not None and comm_dtype != flat.dtype:
+        flat = flat.to(comm_dtype)
     dist.all_reduce(flat, group=group)  # sum over ranks ...
-    flat.mul_(1.0 / dist.get_world_size(group))  # ... then divide: the mean (as DeepSpeed)
+    if average:
+        flat.mul_(1.0 / dist.get_world_size(group))  # ... then divide: the mean (as DeepSpeed)
     offset = 0
     for t in tensors:
         t.copy_(flat[offset : offset + t.numel()].view_as(t))
@@ -199,11 +212,21 @@ def replicated_grad_norm(grads: list[torch.Tensor], group=None) -> torch.Tensor:
     return norm
 
 
-def clip_by_norm(grads: list[torch.Tensor], norm: torch.Tensor, max_norm: float) -> None:
+def clip_by_norm(grads: list[torch.Tensor], norm: torch.Tensor | float, max_norm: float) -> None:
     """Clipping, the one function every stage uses: scale ``grads`` in place by
     ``min(1, max_norm / (norm + 1e-6))``, where ``norm`` is the norm of the *whole* gradient
     (torch's and DeepSpeed's formula). Clipping sees the accumulated gradient, once per step.
+
+    A Python float ``norm`` is DeepSpeed's bf16 stage-0 path (``FP16_UnfusedOptimizer``, lesson
+    08), which computes the factor in float64 as ``1 / ((norm + 1e-6) / max_norm)``: the same
+    formula, rounded the way that path rounds it.
     """
+    if isinstance(norm, float):
+        scale = (norm + 1e-6) / max_norm
+        if scale > 1:
+            for g in grads:
+                g.mul_(1.0 / scale)
+        return
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     for g in grads:
         g.mul_(coef.to(g.dtype))

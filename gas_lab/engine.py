@@ -27,7 +27,10 @@ The "reduce, then update" part is delegated to a small strategy object
 the counting logic here.
 
 Taught in lessons 03 (managed, ``tutorials/03_managed.ipynb``) and 04 (unmanaged,
-``tutorials/04_unmanaged.ipynb``).
+``tutorials/04_unmanaged.ipynb``). Lesson 08 (``tutorials/08_edges.ipynb``) adds what a real
+loop needs around it, each in its own module: the LR schedule stepped at applied updates
+(:mod:`gas_lab.schedules`), checkpoints (:mod:`gas_lab.checkpoint`), bf16
+(:mod:`gas_lab.precision`) and the data loader ``initialize`` returns (:mod:`gas_lab.loader`).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 
+from gas_lab import checkpoint, loader, precision, schedules
 from gas_lab.config import GasConfig, load_config
 from gas_lab.dp import broadcast_parameters, default_group
 from gas_lab.errors import NotImplementedInGasLab
@@ -56,7 +60,9 @@ class Engine(torch.nn.Module):
         self.global_steps = 0  # optimizer updates so far
         self.global_samples = 0  # samples (all ranks) consumed by those updates
         self.micro_steps = 0  # step() calls so far, boundary or not
-        self.skipped_steps = 0  # always 0 in fp32 (no overflow to skip)
+        self.skipped_steps = 0  # updates skipped for a non-finite gradient norm
+        self.lr_scheduler = None  # set by initialize (lesson 08)
+        self.training_dataloader = None  # initialize(training_data=...) (lesson 08)
         self.inside_no_sync_ctxt = False
         self._unmanaged_backward_count = 0  # backward() calls since the last step()
         self._boundary_override = None  # set_gradient_accumulation_boundary() (managed only)
@@ -67,6 +73,7 @@ class Engine(torch.nn.Module):
         broadcast_parameters(module, group)  # ranks may have initialized differently
         self._update = strategy_cls(list(module.parameters()), optimizer, group, config)
         self.optimizer = self._update.optimizer
+        self.precision = getattr(self._update, "precision", None)  # lesson 08: where it rounds
 
     # -- the training loop ---------------------------------------------------------------------
     def forward(self, *inputs, **kwargs):
@@ -89,10 +96,12 @@ class Engine(torch.nn.Module):
             # GAS micro-batch means into the mean over the whole batch.
             loss = loss / self.gradient_accumulation_steps()
         self._inside_engine_backward = True  # the hooks on the output leave this pass alone
+        self._strategy_hook("before_backward")
         try:
             loss.backward(retain_graph=retain_graph)
         finally:
             self._inside_engine_backward = False
+        self._strategy_hook("after_backward")  # e.g. bf16 gradients added into fp32 buffers
         # Managed: the boundary micro-batch reduces right away (unless inside no_sync()).
         # Unmanaged, this is never the boundary (only step() is): gradients stay local.
         self._reduce_if_boundary()
@@ -111,16 +120,27 @@ class Engine(torch.nn.Module):
         if not self._direct_backward_seen:  # once per pass, however many outputs it reaches
             refusals.enforce(self._situation("tensor.backward"))
             self._direct_backward_seen = True
+            self._strategy_hook("before_backward")
             # Run once this pass ends (DeepSpeed's ZeRO optimizers use the same autograd call).
             torch.autograd.Variable._execution_engine.queue_callback(self._after_direct_backward)
         return grad / self.gradient_accumulation_steps()  # what scale_wrt_gas=True does
 
     def _after_direct_backward(self):
         self._direct_backward_seen = False
+        self._strategy_hook("after_backward")
         self._reduce_if_boundary()
 
+    def _strategy_hook(self, name: str) -> None:
+        hook = getattr(self._update, name, None)  # only strategies that keep extra buffers
+        if hook is not None:
+            hook()
+
     def step(self, lr_kwargs=None):
-        """Managed: update only at the boundary. Unmanaged: reduce, then update, every call."""
+        """Managed: update only at the boundary. Unmanaged: reduce, then update, every call.
+
+        After an applied update the LR scheduler steps (``scheduler.step(**lr_kwargs)``); a
+        skipped update (non-finite gradient norm) counts in ``skipped_steps`` instead.
+        """
         refusals.enforce(self._situation("step"))
         self._step_applied = False
         self._inside_step = True
@@ -129,7 +149,12 @@ class Engine(torch.nn.Module):
                 self._update.reduce_gradients()
             if self.is_gradient_accumulation_boundary():
                 self._step_applied = self._update.update()
-                self.global_steps += 1
+                if self._step_applied:
+                    schedules.step_after_update(self.lr_scheduler, lr_kwargs,
+                                                self.train_batch_size())  # fmt: skip
+                else:
+                    self.skipped_steps += 1
+                self.global_steps += 1  # counted even when skipped, as DeepSpeed does
                 if self.managed_gradient_accumulation():
                     self.global_samples += self.train_batch_size()
                 else:  # the caller chose how many micro-batches went into this update
@@ -215,24 +240,44 @@ class Engine(torch.nn.Module):
         for p in self.module.parameters():
             p.grad = None
 
+    # -- checkpoints (lesson 08, gas_lab/checkpoint.py) ------------------------------------------
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True) -> bool:
+        """Save on every rank; exact only at a boundary (gradients are not saved)."""
+        return checkpoint.save(self, self._update, save_dir, tag, client_state, save_latest)
+
+    def load_checkpoint(self, load_dir, tag=None, load_module_strict=True,
+                        load_optimizer_states=True, load_lr_scheduler_states=True,
+                        load_module_only=False):  # fmt: skip
+        """Restore weights, optimizer, scheduler and counters: ``(path, client_state)``."""
+        return checkpoint.load(self, self._update, load_dir, tag, load_module_strict,
+                               load_optimizer_states, load_lr_scheduler_states,
+                               load_module_only)  # fmt: skip
+
 
 def initialize(
     args=None,
     model=None,
     optimizer=None,
     model_parameters=None,
+    training_data=None,
+    lr_scheduler=None,
     config=None,
+    collate_fn=None,
     group=None,
     strategy=None,
     **more,
 ):
-    """gas_lab's ``deepspeed.initialize``: returns ``(engine, optimizer, None, None)``.
+    """gas_lab's ``deepspeed.initialize``: ``(engine, optimizer, training_dataloader,
+    lr_scheduler)``, the same four values (the last two None when not asked for).
 
-    The process group is ``group`` if given, else :func:`gas_lab.dp.default_group` (the
-    default group, or one started from torchrun's variables as DeepSpeed would, or none).
-    ``strategy`` is how the boundary reduces and updates (:mod:`gas_lab.update`); None picks
-    the one for the config's ZeRO stage. DeepSpeed's other arguments (args, training_data,
-    ...) are refused rather than silently ignored.
+    ``training_data``: a map-style Dataset; the third value is this rank's loader of
+    micro-batches (:mod:`gas_lab.loader`). ``lr_scheduler``: a scheduler object, or a callable
+    given the torch optimizer; it wins over the config's ``scheduler`` block
+    (:mod:`gas_lab.schedules`). The process group is ``group`` if given, else
+    :func:`gas_lab.dp.default_group` (the default group, or one started from torchrun's
+    variables as DeepSpeed would, or none). ``strategy`` is how the boundary reduces and
+    updates (:mod:`gas_lab.update`); None picks the one for the config's ZeRO stage.
+    DeepSpeed's other arguments (args, mpu, ...) are refused rather than silently ignored.
     """
     unsupported = sorted(k for k, v in {"args": args, **more}.items() if v is not None)
     if unsupported:
@@ -242,6 +287,7 @@ def initialize(
     cfg = load_config(config if config is not None else {}, world_size=world_size)
     pipeline = any(c.__name__ == "PipelineModule" for c in type(model).__mro__)
     refusals.enforce(Situation(cfg, pipeline=pipeline))
+    precision.cast_parameters(model, cfg.model_dtype)  # bf16: the weights, not the buffers
     if optimizer is None:  # as in DeepSpeed, a client optimizer wins over the config's
         if cfg.optimizer is None:
             raise NotImplementedInGasLab(
@@ -251,7 +297,16 @@ def initialize(
         optimizer = cfg.optimizer.torch_optimizer(params)
     strategy = strategy or strategy_for(cfg.zero_optimization.stage)
     engine = Engine(model, optimizer, cfg, group, strategy)
-    return engine, engine.optimizer, None, None
+    engine.lr_scheduler = schedules.configure(
+        cfg.scheduler, lr_scheduler, engine.optimizer, cfg.zero_optimization.stage
+    )
+    if training_data is not None:
+        rank = dist.get_rank(group) if group is not None else 0
+        engine.training_dataloader = loader.training_loader(
+            training_data, cfg.train_micro_batch_size_per_gpu, world_size, rank, collate_fn,
+            cfg.dataloader_drop_last,
+        )  # fmt: skip
+    return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
 
 
 def _output_tensors(out) -> list[torch.Tensor]:

@@ -16,11 +16,13 @@ gradients are reduced and the optimizer steps there. Every strategy has the same
 from __future__ import annotations
 
 import functools
+import math
 from typing import Protocol
 
 import torch
 
-from gas_lab.dp import all_reduce_mean, clip_by_norm, replicated_grad_norm
+from gas_lab import precision
+from gas_lab.dp import all_reduce_gradients, clip_by_norm, replicated_grad_norm
 from gas_lab.zero1 import REDUCE_MODES, ShardedUpdate
 
 # DeepSpeed's stage-0 bucket, in elements: a small model's gradients fit in one all-reduce.
@@ -40,7 +42,14 @@ class UpdateStrategy(Protocol):
         """Make every rank hold the gradient averaged over ranks (called at the boundary)."""
 
     def update(self) -> bool:
-        """Clip, step the optimizer, clear the gradients; return whether weights changed."""
+        """Clip, step the optimizer, clear the gradients; return whether weights changed
+        (False: a skipped update, e.g. a non-finite gradient norm in bf16)."""
+
+    def state_dict(self) -> dict:
+        """This rank's optimizer state, fp32 master weights included (for checkpoints)."""
+
+    def load_state_dict(self, state: dict, load_optimizer_states: bool = True) -> None:
+        """Restore :meth:`state_dict`, after the module's weights were loaded."""
 
 
 class AllReduceUpdate:
@@ -50,6 +59,10 @@ class AllReduceUpdate:
     ``update()`` clips, steps the optimizer and clears the gradients, identically on every rank,
     which keeps the replicas equal. Shaped like DeepSpeed's: gradients reduced in large buckets,
     then clipped by their global norm, then one optimizer step.
+
+    With bf16 (lesson 08) the model keeps bf16 weights and ``.grad``; the optimizer steps on
+    fp32 masters, and an update whose gradient norm is not finite is skipped: DeepSpeed's
+    ``FP16_UnfusedOptimizer``. ``"gradient_allreduce_op": "sum"`` drops the division.
     """
 
     def __init__(self, params, optimizer, group, config):
@@ -58,6 +71,19 @@ class AllReduceUpdate:
         self.optimizer = optimizer
         self.group = group
         self.max_norm = config.gradient_clipping
+        self.average = config.gradient_allreduce_op == "mean"
+        self.precision = precision.route(config)
+        self.masters = None  # fp32 copies the optimizer steps on, for a bf16 model
+        if self.precision.fp32_master:
+            self.masters = precision.fp32_masters(self.params, optimizer)
+            # DeepSpeed's FP16_UnfusedOptimizer creates the optimizer state by stepping once
+            # on zero gradients while it is built: Adam's step count starts at 1 (its bias
+            # correction differs from then on) and AdamW's weight decay hits the masters once.
+            for master in self.masters:
+                master.grad = torch.zeros_like(master)
+            optimizer.step()
+            for master in self.masters:
+                master.grad = None
 
     def reduce_gradients(self) -> None:
         for p in self.params:
@@ -66,16 +92,51 @@ class AllReduceUpdate:
                 # reduce buffers of the same layout, or the all-reduce mixes up tensors.
                 p.grad = torch.zeros_like(p)
         for bucket in _buckets([p.grad for p in self.params], ALLREDUCE_BUCKET_ELEMENTS):
-            all_reduce_mean(bucket, self.group)
+            all_reduce_gradients(bucket, self.group, self.average, self.precision.communicate)
 
     def update(self) -> bool:
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        if self.masters is None:  # fp32: no overflow check at stage 0, as in DeepSpeed
+            if self.max_norm > 0:
+                clip_by_norm(grads, replicated_grad_norm(grads, self.group), self.max_norm)
+            self.optimizer.step()
+            self._clear()
+            return True
+        # FP16_UnfusedOptimizer's norm: squares summed in fp32, the root in float64, no
+        # collective (the reduced gradient is the same on every rank).
+        norm = float(sum(g.float().norm() ** 2 for g in grads)) ** 0.5
+        if not math.isfinite(norm):  # inf/nan somewhere: skip, weights untouched
+            self._clear()
+            return False
+        for master, g in zip(self.masters, grads, strict=True):
+            master.grad = g.float()  # exact: every bf16 value is an fp32 value
         if self.max_norm > 0:
-            grads = [p.grad for p in self.params]
-            clip_by_norm(grads, replicated_grad_norm(grads, self.group), self.max_norm)
+            clip_by_norm([m.grad for m in self.masters], norm, self.max_norm)
         self.optimizer.step()
+        with torch.no_grad():
+            for p, master in zip(self.params, self.masters, strict=True):
+                p.copy_(master)  # round the new fp32 weights to bf16
+                master.grad = None
+        self._clear()
+        return True
+
+    def _clear(self) -> None:
         for p in self.params:
             p.grad = None  # the next step accumulates from scratch
-        return True
+
+    def state_dict(self) -> dict:
+        return {"optimizer": self.optimizer.state_dict(), "masters": self.masters}
+
+    def load_state_dict(self, state: dict, load_optimizer_states: bool = True) -> None:
+        if load_optimizer_states:
+            self.optimizer.load_state_dict(state["optimizer"])
+        if self.masters is not None:
+            # The saved fp32 masters when the optimizer state is loaded (exact), else the
+            # loaded bf16 weights (rounded), as DeepSpeed does.
+            saved = state["masters"] if load_optimizer_states else self.params
+            with torch.no_grad():
+                for master, value in zip(self.masters, saved, strict=True):
+                    master.copy_(value)
 
 
 def _buckets(grads, max_elements):

@@ -20,7 +20,9 @@ At the accumulation boundary (``gas_lab.engine`` decides when; this module decid
 4. **all-gather** the shards into the flat buffer. The model's parameters are views into that
    buffer, so the all-gather writes the new weights straight into the model.
 
-Taught in lesson 05 (``tutorials/05_zero1.ipynb``).
+Taught in lesson 05 (``tutorials/05_zero1.ipynb``); lesson 08 adds bf16 (fp32 master shards,
+bf16 or fp32 accumulation, :mod:`gas_lab.precision`), the skipped update on a non-finite norm,
+``"gradient_allreduce_op": "sum"`` and the per-rank checkpoint of a shard.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from gas_lab.dp import all_reduce_mean, clip_by_norm
+from gas_lab import precision
+from gas_lab.dp import all_reduce_gradients, clip_by_norm
 
 # Shard sizes are a multiple of this many elements, as in DeepSpeed (4 bytes of fp16), so
 # every shard starts aligned; the flat vector is padded with zeros up to W x that multiple.
@@ -107,15 +110,18 @@ class _FlatGroup:
             p.data = view.view_as(p)  # the weights now live inside flat: no copy after gather
         # A separate tensor, not a view of flat, as DeepSpeed's "fp32 partition": with bf16
         # weights this is the fp32 master copy; the all-gather then reads it without aliasing.
-        self.master = self.flat[self.start : self.end].clone()
+        self.master = self.flat[self.start : self.end].clone().to(torch.float32)
         self.grad_shard: torch.Tensor | None = None  # set by reduce, consumed by update
 
-    def local_gradient(self) -> torch.Tensor:
-        """This rank's gradients, flat and padded (an unused parameter counts as zeros)."""
-        flat = torch.zeros_like(self.flat)
-        for p, offset in zip(self.params, self.layout.offsets, strict=True):
-            if p.grad is not None:
-                flat[offset : offset + p.numel()].copy_(p.grad.reshape(-1))
+    def local_gradient(self, grads=None) -> torch.Tensor:
+        """This rank's gradients (``grads``, one per parameter, default their ``.grad``), flat
+        and padded, in the gradients' dtype (an unused parameter counts as zeros)."""
+        grads = [p.grad for p in self.params] if grads is None else grads
+        dtype = next((g.dtype for g in grads if g is not None), self.flat.dtype)
+        flat = torch.zeros_like(self.flat, dtype=dtype)
+        for g, offset in zip(grads, self.layout.offsets, strict=True):
+            if g is not None:
+                flat[offset : offset + g.numel()].copy_(g.reshape(-1))
         return flat
 
     def clear_grads(self) -> None:
@@ -154,6 +160,30 @@ class ShardedUpdate:
             self.groups.append(flat_group)
         self.optimizer = optimizer
         self.last_norm: float | None = None  # the global gradient norm of the last update
+        self.average = config.gradient_allreduce_op == "mean"
+        self.precision = precision.route(config)
+        self.deepspeed_wrapper = self.precision.wrapper
+        # bf16 + fp32 accumulation: every micro-batch's gradient goes into fp32 buffers.
+        self.buffers = None
+        if self.precision.separate_buffer:
+            mine = [p for g in self.groups for p in g.params]
+            self.buffers = precision.GradBuffers(
+                mine, self.precision.accumulate, self.precision.immediate_grad_update
+            )
+
+    def before_backward(self) -> None:
+        if self.buffers is not None:
+            self.buffers.before_backward()
+
+    def after_backward(self) -> None:
+        if self.buffers is not None:
+            self.buffers.after_backward()
+
+    def _grads_of(self, g: _FlatGroup):
+        if self.buffers is None:
+            return None  # their .grad
+        index = {id(p): i for i, p in enumerate(self.buffers.params)}
+        return [self.buffers.buffers[index[id(p)]] for p in g.params]
 
     @property
     def master_shards(self) -> list[torch.Tensor]:
@@ -162,23 +192,28 @@ class ShardedUpdate:
     def reduce_gradients(self) -> None:
         """Leave in each group's ``grad_shard`` the rank-averaged gradient of this rank's shard."""
         for g in self.groups:
+            local = g.local_gradient(self._grads_of(g))
+            comm = self.precision.communicate
             if self.reduce == "all_reduce":
                 # Send only the real elements (DeepSpeed's buffer), pad afterwards to cut shards.
-                flat = g.local_gradient()
-                real = flat[: g.layout.numel].clone()
-                all_reduce_mean([real], self.group)
+                real = local[: g.layout.numel].clone()
+                all_reduce_gradients([real], self.group, self.average, comm)
                 shard = torch.nn.functional.pad(real, (0, g.layout.padding))[g.start : g.end]
             elif self.group is None:
-                shard = g.local_gradient()
+                shard = local[g.start : g.end]
             else:
-                shard = torch.empty(g.layout.shard_size, dtype=g.flat.dtype, device=g.flat.device)
+                shard = torch.empty(g.layout.shard_size, dtype=comm, device=g.flat.device)
                 with warnings.catch_warnings():  # torch 2.13 renamed it; the name works >= 2.4
                     warnings.simplefilter("ignore", FutureWarning)
-                    dist.reduce_scatter_tensor(shard, g.local_gradient(), group=self.group)
-                shard.div_(self.world_size)  # reduce-scatter sums; the mean is what we step on
+                    dist.reduce_scatter_tensor(shard, local.to(comm), group=self.group)
+                if self.average:  # reduce-scatter sums; the mean is what we step on
+                    shard.div_(self.world_size)
+                shard = shard.to(local.dtype)
             # Reducing twice before an update (two boundaries) adds up, like .grad would.
             g.grad_shard = shard.clone() if g.grad_shard is None else g.grad_shard + shard
             g.clear_grads()
+        if self.buffers is not None:
+            self.buffers.clear()
 
     def update(self) -> bool:
         """Clip by the global norm, step the optimizer on the shard, all-gather the weights."""
@@ -186,25 +221,58 @@ class ShardedUpdate:
             if g.grad_shard is None:
                 # No reduction since the last update (e.g. every backward() was in no_sync()):
                 # as at stage 0, the optimizer steps on the local gradient.
-                g.grad_shard = g.local_gradient()[g.start : g.end].clone()
-        shards = [g.grad_shard for g in self.groups]
+                g.grad_shard = g.local_gradient(self._grads_of(g))[g.start : g.end].clone()
+            g.master.grad = g.grad_shard.to(torch.float32)  # the master shard's dtype
+        shards = [g.master.grad for g in self.groups]
         # The norm is computed even without clipping, as DeepSpeed stage 1 does (it reports
         # it): that is one 4-byte all-reduce per update whatever gradient_clipping says.
         norm = global_norm(shards, self.group)
+        self.last_norm = norm.item()
+        if self.precision.skip_nonfinite and not torch.isfinite(norm):
+            self._clear()  # an inf/nan gradient: skip the update, as DeepSpeed's ZeRO does
+            return False
         if self.max_norm > 0:
             clip_by_norm(shards, norm, self.max_norm)
-        self.last_norm = norm.item()
-        for g in self.groups:
-            g.master.grad = g.grad_shard
         self.optimizer.step()
+        self._clear()
+        for g in self.groups:
+            shard = g.master.detach().to(g.flat.dtype)  # bf16 model: round the new weights
+            if self.group is None:
+                g.flat.copy_(shard)
+            else:
+                dist.all_gather_into_tensor(g.flat, shard, group=self.group)
+        return True
+
+    def _clear(self) -> None:
         for g in self.groups:
             g.master.grad = g.grad_shard = None
             g.clear_grads()
-            if self.group is None:
-                g.flat.copy_(g.master)
-            else:
-                dist.all_gather_into_tensor(g.flat, g.master, group=self.group)
-        return True
+        if self.buffers is not None:
+            self.buffers.clear()
+
+    def state_dict(self) -> dict:
+        """This rank's shard: its optimizer state and fp32 master shard (DeepSpeed writes the
+        same two things into one ``zero_pp_rank_<r>`` file per rank)."""
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "masters": [g.master.detach().clone() for g in self.groups],
+            "layouts": [(g.layout.numels, g.layout.world_size) for g in self.groups],
+        }
+
+    def load_state_dict(self, state: dict, load_optimizer_states: bool = True) -> None:
+        layouts = [(tuple(g.layout.numels), g.layout.world_size) for g in self.groups]
+        if state is not None and [(tuple(n), w) for n, w in state["layouts"]] != layouts:
+            raise ValueError(
+                "this ZeRO-1 checkpoint was cut for another world size or model "
+                f"(saved {state['layouts']}, now {layouts}); gas_lab loads it only unchanged"
+            )
+        if load_optimizer_states:
+            self.optimizer.load_state_dict(state["optimizer"])
+        # The exact fp32 shards with the optimizer state, else rebuilt from the loaded weights.
+        saved = state["masters"] if load_optimizer_states else [None] * len(self.groups)
+        with torch.no_grad():
+            for g, master in zip(self.groups, saved, strict=True):
+                g.master.copy_(master if master is not None else g.flat[g.start : g.end])
 
 
 def global_norm(shards: list[torch.Tensor], group=None) -> torch.Tensor:

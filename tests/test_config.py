@@ -175,7 +175,9 @@ def test_overlap_comm_only_refused_unmanaged_below_stage_2():
         dict(zero_optimization={"stage": 2}),
         dict(zero_optimization={"stage": 3}),
         dict(zero_optimization={"stage": 1, "offload_optimizer": {"device": "cpu"}}),
-        dict(bf16={"enabled": True}),
+        dict(fp16={"enabled": True}),
+        dict(zero_optimization={"stage": 1}, data_types={"grad_accum_dtype": "bf16"}),
+        dict(bf16={"enabled": True, "bf16_master_weights_and_grads": True}),
         dict(compile={"deepcompile": True}),
     ],
 )

@@ -185,8 +185,10 @@ def test_pipeline_models_are_refused_or_out_of_scope():
 def test_unsupported_deepspeed_arguments_are_refused_not_ignored():
     model = tiny_model(0)
     config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {}}}
-    with pytest.raises(NotImplementedInGasLab, match="lr_scheduler"):
-        initialize(model=model, config=config, lr_scheduler=object())
+    with pytest.raises(NotImplementedInGasLab, match="mpu"):
+        initialize(model=model, config=config, mpu=object())
+    with pytest.raises(NotImplementedInGasLab, match="args"):
+        initialize(args=object(), model=model, config=config)
     engine, _, loader, scheduler = initialize(model=model, config=config, training_data=None)
     assert loader is None and scheduler is None
 

@@ -24,13 +24,19 @@ LENIENT = {"managed_string_no", "managed_typo"}  # DeepSpeed accepts; gas_lab re
 
 
 def in_scope(case) -> bool:
-    """The brief's scope, written independently of refusals.OUT_OF_SCOPE (so it can catch it)."""
+    """The brief's scope, written independently of refusals.OUT_OF_SCOPE (so it can catch it):
+    ZeRO 0/1, fp32 or bf16 (lesson 08), accumulation in the model's dtype or in fp32, no
+    offload/pipeline/compile."""
     c, axes = case["config"], case["axes"]
     zero = c.get("zero_optimization", {})
+    bf16 = c.get("bf16", {}).get("enabled", False)
+    accum = c.get("data_types", {}).get("grad_accum_dtype")
+    below_model = accum not in (None, "fp32") and not (bf16 and accum == "bf16")
     return (
         zero.get("stage", 0) <= 1
         and "offload_optimizer" not in zero
-        and not any(c.get(k, {}).get("enabled") for k in ("bf16", "fp16"))
+        and not c.get("fp16", {}).get("enabled")
+        and not (zero.get("stage", 0) == 1 and below_model)  # DeepSpeed-only lower buffer
         and not case["pipeline"]
         and not c.get("compile", {}).get("deepcompile")
         and axes.get("check") not in LENIENT
@@ -219,12 +225,40 @@ def test_gas_lab_agrees_with_deepspeed_in_scope(gas_lab_results):
     apis = {(c["axes"].get("api"), c["axes"].get("stage"), c["outcome"]) for c in checked}
     assert {("tensor_backward", 0, "rejected"), ("tensor_backward", 1, "accepted")} <= apis
     assert ("coalesce", 1, "accepted") in apis
+    # Lesson 08: bf16 at both stages, the sum, and stage 0's refusal of an fp32 buffer.
+    precisions = {(c["axes"].get("precision"), c["axes"].get("stage")) for c in checked}
+    assert {("bf16", 0), ("bf16", 1)} <= precisions
+    assert {c["axes"].get("op") for c in checked} >= {"sum"}
+    assert any(c["exception"] == "NotImplementedError" for c in checked)
     wrong = [f"{c['id']}: {p}" for c in checked if (p := _compare(c, gas_lab_results[c["id"]]))]
     assert not wrong, f"{len(wrong)} in-scope cases disagree:\n" + "\n".join(wrong)
 
 
 def _position(case, op) -> int:
     return -1 if op == "initialize" else case["ops"].index(op)
+
+
+def test_gas_lab_routes_precision_to_deepspeeds_optimizer_wrapper():
+    """Every accepted in-scope case: the wrapper DeepSpeed built (measured) is the one gas_lab's
+    precision.route mirrors (the bare optimizer where DeepSpeed has none)."""
+    from gas_lab.config import load_config
+    from gas_lab.precision import route
+
+    checked = [c for c in CASES if in_scope(c) and c["outcome"] == "accepted"]
+    wrappers = set()
+    for case in checked:
+        cfg = load_config(case["config"], world_size=2)
+        bare = cfg.optimizer.torch_optimizer([torch.nn.Parameter(torch.zeros(1))])
+        wrapper = route(cfg).wrapper or type(bare).__name__
+        measured = case["observed"]["optimizer"]
+        assert wrapper == measured, f"{case['id']}: gas_lab mirrors {wrapper}, DeepSpeed {measured}"
+        wrappers.add(measured)
+    assert {
+        "AdamW",
+        "DeepSpeedZeroOptimizer",
+        "FP16_UnfusedOptimizer",
+        "BF16_Optimizer",
+    } <= wrappers
 
 
 @pytest.mark.ranks

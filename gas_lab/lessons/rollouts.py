@@ -73,7 +73,7 @@ def to_device(mb: Batch, device) -> Batch:
 
 # ---------------------------------------------------------------- the loss scaling
 #: How a micro-batch loss is scaled: the right way, and the two classic wrong ones.
-SCALINGS = ("global_tokens", "mean_of_means", "local_tokens")
+SCALINGS = ("global_tokens", "mean_of_means", "local_tokens", "global_tokens_sum")
 #: Each pitfall of the capstone as (scaling, scale_wrt_gas); "none" is the correct loop.
 PITFALLS = {
     "none": ("global_tokens", False),
@@ -81,6 +81,9 @@ PITFALLS = {
     "scale_wrt_gas": ("global_tokens", True),
     "local_tokens": ("local_tokens", False),
 }
+#: Right loops that are not lesson 07's: lesson 08's ``/ T`` with no ``x W``, for a config with
+#: ``"gradient_allreduce_op": "sum"`` (the ranks' gradients are summed, not averaged).
+VARIANTS = {"sum": ("global_tokens_sum", False)}
 
 
 @dataclass(frozen=True)
@@ -105,6 +108,9 @@ def micro_batch_loss(token_losses: Tensor, mask: Tensor, scaling: str, counts: S
         every_token = Window(counts.local.n_micro, counts.local.n_samples, counts.global_tokens)
         # x W: DeepSpeed divides the summed gradient by W; the step must be sum / T, not / (T*W).
         return normalized_loss(token_losses, mask, "per_token", every_token) * counts.world_size
+    if scaling == "global_tokens_sum":  # "gradient_allreduce_op": "sum": nothing to undo
+        every_token = Window(counts.local.n_micro, counts.local.n_samples, counts.global_tokens)
+        return normalized_loss(token_losses, mask, "per_token", every_token)
     if scaling == "mean_of_means":  # each micro-batch's own mean / this rank's count of them
         return normalized_loss(token_losses, mask, "mean_of_means", counts.local)
     if scaling == "local_tokens":  # right on one rank; the ranks' means then weigh the same
@@ -146,7 +152,7 @@ class RolloutRun:
             model=model, model_parameters=model.parameters(), config=config
         )
         self.seed, self.spec, self.pitfall = seed, spec, pitfall
-        self.scaling, self.scale_wrt_gas = PITFALLS[pitfall]
+        self.scaling, self.scale_wrt_gas = {**PITFALLS, **VARIANTS}[pitfall]
         self.managed = self.engine.managed_gradient_accumulation()
         self.device = next(self.engine.module.parameters()).device
         self.rank = dist.get_rank() if dist.is_initialized() else 0

@@ -112,7 +112,23 @@ def cases() -> list[dict]:
         for enabled in (True, False):
             out.append(_case("amp", _config(0, managed, amp={"enabled": enabled}), TRAIN[managed],
                              managed=managed, enabled=enabled))  # fmt: skip
-    # 4. Config checks that have nothing to do with the boundary, and DeepSpeed's leniency.
+    # 4. Lesson 08: "gradient_allreduce_op": "sum" at every stage (and with DeepCompile), and
+    # bf16 x data_types.grad_accum_dtype at stages 0 and 1.
+    for stage, managed in itertools.product(range(4), (True, False)):
+        out.append(_case("edges", _config(stage, managed, gradient_allreduce_op="sum"),
+                         TRAIN[managed], stage=stage, managed=managed, op="sum"))  # fmt: skip
+    for stage in (0, 1):
+        sum_compile = _config(stage, gradient_allreduce_op="sum", compile={"deepcompile": True})
+        out.append(_case("edges", sum_compile, TRAIN[True], stage=stage, op="sum_deepcompile"))
+    for stage, managed, bf16, accum in itertools.product(
+        (0, 1), (True, False), (False, True), ("fp32", "bf16")
+    ):
+        extra = {"data_types": {"grad_accum_dtype": accum}}
+        if bf16:
+            extra["bf16"] = {"enabled": True}
+        out.append(_case("edges", _config(stage, managed, **extra), TRAIN[managed], stage=stage,
+                         managed=managed, bf16=bf16, grad_accum_dtype=accum))  # fmt: skip
+    # 5. Config checks that have nothing to do with the boundary, and DeepSpeed's leniency.
     sgd = {"type": "SGD", "params": {"lr": 0.1}}
     for stage in (0, 1):
         out.append(_case("config", _config(stage, optimizer=sgd), TRAIN[True], stage=stage,

@@ -106,7 +106,7 @@ ALL_RULES: list[Rule] = [
         "ValueError", "Type fp16 is not supported on your device.",
         Example(config={"fp16": {"enabled": True}}),
         lambda s: s.config.fp16.enabled,
-        gas_lab="out of scope at initialize (gas_lab trains in fp32)",
+        gas_lab="out of scope at initialize (gas_lab has bf16, not fp16)",
     ),
     Rule(
         "max_grad_norm_param", "initialize", "initialize", ("optimizer.params.max_grad_norm",),
@@ -170,6 +170,42 @@ ALL_RULES: list[Rule] = [
         "AssertionError", "managed_gradient_accumulation=False is not supported with DeepCompile",
         Example(config={**UNMANAGED, "compile": {"deepcompile": True}}),
         lambda s: _unmanaged(s) and s.config.compile.deepcompile,
+    ),
+    # -- lesson 08: sum or mean, and the accumulation dtype (gas_lab/precision.py) -----------
+    Rule(
+        "sum_stage3", "initialize", "initialize",
+        ("gradient_allreduce_op=sum", "zero_optimization.stage=3"),
+        "gradient_allreduce_op 'sum' at ZeRO stage 3",
+        "ZeRO-3 reduce-scatters partitioned gradients with its own averaging; DeepSpeed 0.19.8 "
+        "implements the plain sum for stages 0, 1 and 2 only.",
+        "nothing silent: DeepSpeed refuses before building anything.",
+        "ValueError", "gradient_allreduce_op='sum' is not supported with ZeRO stage 3",
+        Example(config={"gradient_allreduce_op": "sum", "zero_optimization": {"stage": 3}}),
+        lambda s: s.config.gradient_allreduce_op == "sum" and _stage(s) == 3,
+    ),
+    Rule(
+        "sum_deepcompile", "initialize", "initialize",
+        ("gradient_allreduce_op=sum", "compile.deepcompile"),
+        "gradient_allreduce_op 'sum' with DeepCompile",
+        "DeepCompile compiles its own (averaging) reduction into the backward graph.",
+        "nothing silent: DeepSpeed refuses before building anything.",
+        "ValueError", "gradient_allreduce_op='sum' is not supported with DeepCompile",
+        Example(config={"gradient_allreduce_op": "sum", "compile": {"deepcompile": True}}),
+        lambda s: s.config.gradient_allreduce_op == "sum" and s.config.compile.deepcompile,
+    ),
+    Rule(
+        "grad_accum_dtype_stage0", "initialize", "initialize",
+        ("zero_optimization.stage=0", "data_types.grad_accum_dtype"),
+        "ZeRO stage 0 with grad_accum_dtype unlike the model's dtype (e.g. bf16 + fp32)",
+        "At stage 0 the gradients accumulate in the parameters' own .grad, so they can only be "
+        "in the model's dtype; a separate fp32 buffer (BF16_Optimizer) exists at ZeRO stage 1 "
+        "only.",
+        "you would believe the bf16 gradients add up in fp32 while they add up in bf16: an "
+        "error that grows with the number of micro-batches.",
+        "NotImplementedError", "unsupported mix of model_dtype=",
+        Example(config={"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}}),
+        lambda s: _stage(s) == 0 and not s.config.fp16.enabled
+        and s.config.model_dtype != s.config.grad_accum_dtype,
     ),
     Rule(
         "unmanaged_set_boundary", "set_gradient_accumulation_boundary", "call",
@@ -304,9 +340,27 @@ OUT_OF_SCOPE: list[OutOfScope] = [
         lambda s: s.config.compile.deepcompile,
     ),
     OutOfScope(
-        "mixed_precision", "initialize", "bf16.enabled or fp16.enabled",
-        "gas_lab trains in fp32 so results compare exactly; use deepspeed.initialize for bf16/fp16.",
-        lambda s: s.config.bf16.enabled or s.config.fp16.enabled,
+        "fp16", "initialize", "fp16.enabled",
+        "fp16 (with its loss scaling) is DeepSpeed-only, and refused on CPUs without fp16; "
+        "gas_lab has bf16. Use deepspeed.initialize.",
+        lambda s: s.config.fp16.enabled,
+    ),
+    OutOfScope(
+        "low_precision_accumulation", "initialize",
+        "ZeRO stage 1 with grad_accum_dtype below the model's (fp32 model + bf16/fp16/int8, or "
+        "bf16 model + fp16/int8)",
+        "DeepSpeed accumulates in a separate lower-precision grad_accum buffer there; gas_lab "
+        "teaches accumulation in the model's dtype or fp32. Use deepspeed.initialize.",
+        lambda s: _stage(s) == 1 and not s.config.fp16.enabled
+        and s.config.grad_accum_dtype != s.config.model_dtype
+        and s.config.grad_accum_dtype.itemsize < 4,  # not fp32
+    ),
+    OutOfScope(
+        "bf16_master_weights", "initialize",
+        "bf16.bf16_master_weights_and_grads or bf16.bf16_optimizer_states",
+        "bf16 master weights need ZeRO-Offload with DeepSpeedCPUAdam (DeepSpeed refuses them "
+        "otherwise); use deepspeed.initialize.",
+        lambda s: s.config.bf16.bf16_master_weights_and_grads or s.config.bf16.bf16_optimizer_states,
     ),
 ]  # fmt: skip
 

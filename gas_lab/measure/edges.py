@@ -1,0 +1,185 @@
+"""The measurements behind lesson 08, run on a rank with either library (``"gas_lab"`` or
+``"deepspeed"``): the learning rate at every ``step()``, a checkpoint resumed at a boundary or
+mid-window, and the gradient the optimizer receives under each precision.
+
+A training loop is written as a list of *events*, ``("backward", step, micro)`` and
+``("step", step)``, so that a run can stop after any event, save, and continue in a fresh
+engine from any other event. Managed, a ``step()`` follows every ``backward()``; unmanaged, one
+``step()`` follows the last ``backward()`` of a window. The lesson and ``tests/test_edges.py``
+call the same functions, so the numbers the lesson prints are the ones the tests check.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from gas_lab.lessons.toys import flat_params, micro_batch, tiny_model
+from gas_lab.measure.parity import initializer
+
+
+def events(managed: bool, micro_batches: list[int]) -> list[tuple]:
+    """The calls of a loop that runs ``micro_batches[s]`` micro-batches in step s."""
+    out = []
+    for step, n in enumerate(micro_batches):
+        for micro in range(n):
+            out.append(("backward", step, micro))
+            if managed:
+                out.append(("step", step))
+        if not managed:
+            out.append(("step", step))
+    return out
+
+
+def counters(engine) -> dict:
+    return {
+        "global_steps": engine.global_steps,
+        "global_samples": engine.global_samples,
+        "micro_steps": engine.micro_steps,
+        "skipped_steps": engine.skipped_steps,
+    }
+
+
+def play(engine, evs, seed: int = 0, lr_kwargs=None, loss_scale: float = 1.0) -> list[dict]:
+    """Run the events on this rank; after every ``step()``: the lr, the scheduler's counter
+    and the engine's counters. Inputs are cast to the model's dtype (bf16 engines)."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    size = engine.train_micro_batch_size_per_gpu()
+    dtype = next(engine.module.parameters()).dtype
+    trace = []
+    for kind, step, *micro in evs:
+        if kind == "backward":
+            x, y = micro_batch(seed, step, micro[0], rank, size)
+            loss = torch.nn.functional.mse_loss(engine(x.to(dtype)).float(), y)
+            engine.backward(loss * loss_scale)
+        else:
+            engine.step(lr_kwargs=lr_kwargs(step) if callable(lr_kwargs) else lr_kwargs)
+            sched = engine.lr_scheduler
+            trace.append({"lr": engine.get_lr()[0], "applied": engine.was_step_applied(),
+                          "last_batch_iteration": getattr(sched, "last_batch_iteration", None),
+                          **counters(engine)})  # fmt: skip
+    return trace
+
+
+def _quiet_initializer(lib: str):
+    """``initializer(lib)``, with DeepSpeed's logging quieted *after* its import (which sets
+    its logger's level): no progress, memory or 'scheduler not started' lines."""
+    import logging
+
+    init = initializer(lib)
+    logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
+    return init
+
+
+def build(lib: str, config: dict, seed: int = 0, **kw):
+    """A fresh engine of ``lib`` on ``tiny_model(seed)`` (``model=`` to pass another)."""
+    model = kw.pop("model", None) or tiny_model(seed)
+    init = _quiet_initializer(lib)
+    return init(model=model, model_parameters=model.parameters(), config=config, **kw)
+
+
+def lr_trace(lib: str, config: dict, micro_batches: list[int], lr_kwargs=None) -> dict:
+    """The lr and counters after every ``step()`` of a loop, and the lr before the first."""
+    engine, *_ = build(lib, config)
+    before = engine.get_lr()[0]
+    managed = engine.managed_gradient_accumulation()
+    trace = play(engine, events(managed, micro_batches), lr_kwargs=lr_kwargs)
+    return {"lr_at_start": before, "trace": trace, "params": flat_params(engine.module)}
+
+
+def resume(lib: str, config: dict, micro_batches: list[int], save_after: int, restart_at: int,
+           folder: str) -> dict:  # fmt: skip
+    """Save after event ``save_after`` (count of events run), load into a fresh engine built
+    from another seed, replay the events from ``restart_at``; compare with an uninterrupted
+    run. Call on every rank with the same ``folder``."""
+    evs = events(config.get("managed_gradient_accumulation", True), micro_batches)
+    reference, *_ = build(lib, config)
+    play(reference, evs)
+    saver, *_ = build(lib, config)
+    play(saver, evs[:save_after])
+    saved_at = counters(saver)
+    saver.save_checkpoint(folder, client_state={"events_run": save_after})
+    fresh, *_ = build(lib, config, seed=1)  # other weights: the load must overwrite them
+    path, client = fresh.load_checkpoint(folder)
+    after_load = counters(fresh)
+    play(fresh, evs[restart_at:])
+    final = flat_params(fresh.module)
+    return {
+        "saved_at": saved_at, "after_load": after_load, "final": counters(fresh),
+        "reference": counters(reference), "client_state": client, "loaded": path is not None,
+        "params": final, "diff_vs_uninterrupted":
+            (final - flat_params(reference.module)).abs().max().item(),
+    }  # fmt: skip
+
+
+def save_points(managed: bool, micro_batches: list[int], window: int, after: int) -> dict:
+    """Event positions for saving in ``window``: ``boundary`` (right after the previous
+    window's update), ``mid`` (after ``after`` backward() calls of the window, before its
+    step()), and ``window_start``, the first event of the window (where a resume redoes it)."""
+    evs = events(managed, micro_batches)
+    start = evs.index(("backward", window, 0))
+    mid = evs.index(("backward", window, after - 1)) + 1
+    return {"boundary": start, "mid": mid, "window_start": start}
+
+
+class RecordingSGD(torch.optim.SGD):
+    """SGD with lr 0 that keeps the gradient it is handed at each step (the parameters it
+    sees: fp32 masters or a ZeRO shard, whatever the engine gives its optimizer)."""
+
+    def step(self, closure=None):
+        self.seen = torch.cat([p.grad.detach().double().reshape(-1)
+                               for g in self.param_groups for p in g["params"]
+                               if p.grad is not None])  # fmt: skip
+        return super().step(closure)
+
+
+DIMS = {"d_in": 16, "hidden": 64, "d_out": 8}  # a model with a few thousand weights
+
+
+def boundary_gradient(lib: str, config: dict, n: int) -> dict:
+    """The whole gradient the optimizer receives at the first update of a loop of ``n``
+    micro-batches (gathered over ranks at ZeRO-1), the optimizer wrapper, and the model's
+    gradient dtype after the first backward. Refusals come back as ``{"refused": ...}``."""
+    managed = config.get("managed_gradient_accumulation", True)
+    model = tiny_model(0, **DIMS)
+    optimizer = RecordingSGD(model.parameters(), lr=0.0)
+    try:
+        engine, wrapped, *_ = _quiet_initializer(lib)(model=model, optimizer=optimizer,
+                                                      config=config)  # fmt: skip
+    except Exception as err:  # the point: which libraries refuse, and with what
+        # gas_lab's refusals name the exception type DeepSpeed raises for the same rule.
+        raises = getattr(getattr(err, "rule", None), "deepspeed_raises", type(err).__name__)
+        return {"refused": f"{type(err).__name__}: {str(err).splitlines()[0][:160]}",
+                "raises_as": raises}  # fmt: skip
+    rank = dist.get_rank()
+    dtype = next(engine.module.parameters()).dtype
+    for micro in range(n):
+        x, y = micro_batch(0, 0, micro, rank, 2, DIMS["d_in"], DIMS["d_out"])
+        engine.backward(torch.nn.functional.mse_loss(engine(x.to(dtype)).float(), y))
+        if managed:
+            engine.step()
+    if not managed:
+        engine.step()
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, optimizer.seen)
+    numel = sum(p.numel() for p in model.parameters())
+    seen = optimizer.seen if optimizer.seen.numel() >= numel else torch.cat(parts)
+    wrapper = "none" if wrapped is optimizer else type(wrapped).__name__  # DeepSpeed's wrapper
+    if lib == "gas_lab":  # the one gas_lab mirrors
+        wrapper = engine.precision.wrapper or "none"
+    return {"gradient": seen[:numel], "wrapper": wrapper}
+
+
+def reference_gradient(n: int, dtype=torch.float32) -> torch.Tensor:
+    """The gradient a correct loop hands the optimizer (mean over ranks of the sum over ``n``
+    micro-batches of ``loss / n``), each micro-batch computed in ``dtype`` and summed in
+    float64 with no rounding: the floor any accumulation can reach. Call on every rank."""
+    model = tiny_model(0, **DIMS).to(dtype)
+    total = torch.zeros(sum(p.numel() for p in model.parameters()), dtype=torch.float64)
+    for micro in range(n):
+        model.zero_grad(set_to_none=True)
+        x, y = micro_batch(0, 0, micro, dist.get_rank(), 2, DIMS["d_in"], DIMS["d_out"])
+        (torch.nn.functional.mse_loss(model(x.to(dtype)).float(), y) / n).backward()
+        total += torch.cat([p.grad.double().reshape(-1) for p in model.parameters()])
+    dist.all_reduce(total)
+    return total / dist.get_world_size()

@@ -1,0 +1,283 @@
+"""Lesson 08's APIs, gas_lab against DeepSpeed 0.19.8 on 2 ranks (ZeRO stage 0 and 1, managed
+and unmanaged): LR schedules, checkpoints resumed at a boundary and mid-window,
+``"gradient_allreduce_op": "sum"``, bf16 with each accumulation dtype, and what ``initialize``
+returns. Both libraries run the same functions of gas_lab.measure.edges."""
+
+import itertools
+import math
+import os
+
+import pytest
+import torch
+
+from gas_lab import schedules
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+TOL = 1e-6
+BASE = {
+    "train_micro_batch_size_per_gpu": 2,
+    "gradient_accumulation_steps": 2,
+    "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}},
+    "steps_per_print": 10**9,
+}
+WARMUP = {"type": "WarmupLR", "params": {"warmup_max_lr": 0.01, "warmup_num_steps": 4}}
+DECAY = {
+    "type": "WarmupDecayLR",
+    "params": {"warmup_num_steps": 3, "total_num_steps": 7, "warmup_type": "linear"},
+}
+MODES = list(itertools.product((0, 1), (True, False)))  # (stage, managed)
+RAGGED = [2, 3, 1, 2, 2, 4, 1, 2, 2]  # micro-batches per step (unmanaged; managed ignores it)
+
+
+def make_config(stage, managed, **extra):
+    return {**BASE, "zero_optimization": {"stage": stage},
+            "managed_gradient_accumulation": managed, **extra}  # fmt: skip
+
+
+# ---------------------------------------------------------------- 1. schedules, one process
+@pytest.mark.parametrize(
+    "name, params",
+    [
+        ("WarmupLR", {"warmup_min_lr": 0.001, "warmup_max_lr": 0.02, "warmup_num_steps": 5}),
+        ("WarmupLR", {"warmup_num_steps": 1, "warmup_type": "linear"}),  # forced to 2
+        ("WarmupLR", {"warmup_num_steps": 4, "warmup_type": "cubic"}),  # unknown: log
+        ("WarmupDecayLR", {"total_num_steps": 9, "warmup_num_steps": 3}),
+        ("WarmupDecayLR", {"total_num_steps": 2, "warmup_num_steps": 4, "warmup_type": "linear"}),
+        ("WarmupCosineLR", {"total_num_steps": 12, "warmup_num_steps": 4, "warmup_min_ratio": 0.1}),
+    ],
+)
+def test_schedules_equal_deepspeeds_classes(name, params):
+    from deepspeed.runtime import lr_schedules
+
+    def opt():
+        return torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.05)
+
+    ours, theirs = (
+        schedules.SCHEDULES[name][0](opt(), **params),
+        getattr(lr_schedules, name)(opt(), **params),
+    )
+    seen = [(ours.optimizer.param_groups[0]["lr"], theirs.optimizer.param_groups[0]["lr"])]
+    for i in range(16):
+        kwargs = {"last_batch_iteration": 3} if i == 10 else {}  # lr_kwargs jump back
+        ours.step(**kwargs)
+        theirs.step(**kwargs)
+        seen.append((ours.get_lr()[0], theirs.get_lr()[0]))
+    assert all(a == b for a, b in seen), seen
+    assert ours.state_dict() == theirs.state_dict()
+    assert len({round(a, 9) for a, _ in seen}) >= 3  # the schedule really moved
+
+
+def test_the_first_two_updates_use_warmup_min_lr():
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.05)
+    sched = schedules.WarmupLR(opt, warmup_min_lr=0.002, warmup_max_lr=0.01, warmup_num_steps=4)
+    used = []
+    for _ in range(3):
+        used.append(opt.param_groups[0]["lr"])  # the lr the next update runs with
+        sched.step()
+    assert used[:2] == [0.002, 0.002] and used[2] > 0.002
+
+
+def test_scheduler_block_is_checked_when_the_config_is_read():
+    from gas_lab.config import load_config
+    from gas_lab.errors import ConfigError, NotImplementedInGasLab
+
+    cfg = {**BASE}
+    with pytest.raises(ConfigError, match="scheduler.params.warmup_num_steps"):
+        load_config({**cfg, "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 0}}})
+    with pytest.raises(ConfigError, match="scheduler.params.warmup_max"):
+        load_config({**cfg, "scheduler": {"type": "WarmupLR", "params": {"warmup_max": 1.0}}})
+    with pytest.raises(ConfigError, match="total_num_steps"):
+        load_config({**cfg, "scheduler": {"type": "WarmupDecayLR", "params": {}}})
+    with pytest.raises(ConfigError, match="neither"):
+        load_config({**cfg, "scheduler": {"type": "Warmup", "params": {}}})
+    with pytest.raises(NotImplementedInGasLab, match="deepspeed.initialize"):
+        load_config({**cfg, "scheduler": {"type": "OneCycle", "params": {}}})
+
+
+# ---------------------------------------------------------------- 2. schedules on 2 ranks
+def _traces(cases):
+    from gas_lab.measure import edges
+
+    out = []
+    for cfg, kw in cases:
+        runs = {lib: edges.lr_trace(lib, cfg, RAGGED, **kw) for lib in ("gas_lab", "deepspeed")}
+        out.append({lib: (r["lr_at_start"], r["trace"], r["params"]) for lib, r in runs.items()})
+    return out
+
+
+@pytest.mark.ranks
+def test_schedules_step_where_deepspeed_steps_them(cluster):
+    cases = [
+        (make_config(stage, managed, scheduler=sched), {})
+        for (stage, managed), sched in itertools.product(MODES, (WARMUP, DECAY))
+    ]
+    # lr_kwargs go to scheduler.step(**lr_kwargs) at the boundary only.
+    cases.append(
+        (make_config(0, True, scheduler=WARMUP), {"lr_kwargs": {"last_batch_iteration": 2}})
+    )
+    cases.append((make_config(1, False, scheduler=DECAY), {"lr_kwargs": lambda step: {"last_batch_iteration": 2 * step}}))  # fmt: skip
+    for rank in cluster.run(_traces, cases, timeout=240):
+        for (cfg, kw), run in zip(cases, rank, strict=True):
+            (start, ours, params), (ds_start, theirs, ds_params) = run["gas_lab"], run["deepspeed"]
+            assert start == ds_start == 0.0  # warmup_min_lr before any update
+            assert ours == theirs  # lr, scheduler counter and engine counters after every step()
+            assert (params - ds_params).abs().max().item() <= TOL
+            if not kw:
+                assert len({t["lr"] for t in theirs}) > 2  # the schedule moved
+            if cfg["managed_gradient_accumulation"]:  # a non-boundary step() changes nothing
+                for i in range(0, len(theirs), 2):
+                    before = theirs[i - 1] if i else {"lr": start, "last_batch_iteration": -1}
+                    for key in ("lr", "last_batch_iteration"):
+                        assert theirs[i][key] == before[key]
+
+
+def _client_schedulers():
+    from gas_lab.lessons.toys import tiny_model
+    from gas_lab.measure import edges
+
+    out = {}
+    for lib, stage in itertools.product(("gas_lab", "deepspeed"), (0, 1)):
+        seen = {}
+
+        def factory(optimizer, seen=seen):
+            seen["got"] = type(optimizer).__name__
+            return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: 1.0 / (k + 1))
+
+        cfg = make_config(
+            stage, False, scheduler=WARMUP
+        )  # the client scheduler wins over the block
+        engine, _, _, sched = edges.build(lib, cfg, lr_scheduler=factory)
+        trace = edges.play(engine, edges.events(False, [1, 2, 1]))
+        # A scheduler object bound to ANOTHER optimizer: accepted, stepped, changes nothing.
+        model = tiny_model(0)
+        other = torch.optim.SGD(model.parameters(), lr=0.5)
+        stray = torch.optim.lr_scheduler.LambdaLR(other, lambda k: 0.1**k)
+        engine2, *_ = edges.build(lib, make_config(stage, True), model=model, lr_scheduler=stray)
+        trace2 = edges.play(engine2, edges.events(True, [1, 1, 1, 1]))
+        out[(lib, stage)] = (seen["got"], type(sched).__name__, [t["lr"] for t in trace],
+                             stray.last_epoch, [t["lr"] for t in trace2])  # fmt: skip
+    return out
+
+
+@pytest.mark.ranks
+def test_client_scheduler_wins_and_a_callable_gets_the_torch_optimizer(cluster):
+    for out in cluster.run(_client_schedulers, timeout=120):
+        for stage in (0, 1):
+            ours, theirs = out[("gas_lab", stage)], out[("deepspeed", stage)]
+            assert ours == theirs
+            got, kind, lrs, stray_epochs, engine_lrs = theirs
+            assert got == "AdamW" and kind == "LambdaLR"  # the raw optimizer, even at ZeRO-1
+            assert lrs == [0.01 * (1.0 / k) for k in (2, 3, 4)]  # LambdaLR: base lr x lambda
+            assert stray_epochs == 2 and set(engine_lrs) == {0.01}  # stepped, but useless
+
+
+def _overflow(stage, bf16):
+    from gas_lab.measure import edges
+
+    cfg = make_config(stage, True, gradient_accumulation_steps=1, scheduler=DECAY)
+    if bf16:
+        cfg["bf16"] = {"enabled": True}
+    out = {}
+    for lib in ("gas_lab", "deepspeed"):
+        engine, *_ = edges.build(lib, cfg)
+        trace = []
+        for step in range(3):  # the loss of step 1 is infinite
+            edges.play(engine, [("backward", step, 0)], loss_scale=math.inf if step == 1 else 1)
+            trace += edges.play(engine, [("step", step)])
+        params = edges.flat_params(engine.module)
+        out[lib] = (trace, bool(torch.isfinite(params).all()), params)
+    return out
+
+
+@pytest.mark.ranks
+@pytest.mark.parametrize("stage, bf16", [(0, False), (0, True), (1, False), (1, True)])
+def test_a_skipped_update_does_not_step_the_scheduler(cluster, stage, bf16):
+    for out in cluster.run(_overflow, stage, bf16, timeout=120):
+        (ours, ours_finite, ours_p), (theirs, finite, params) = out["gas_lab"], out["deepspeed"]
+        assert ours == theirs and ours_finite == finite
+        iterations = [t["last_batch_iteration"] for t in theirs]
+        if stage == 0 and not bf16:  # no overflow check at all: NaN weights, scheduler stepped
+            assert not finite and iterations == [0, 1, 2] and theirs[-1]["skipped_steps"] == 0
+        else:
+            assert finite and torch.equal(ours_p, params)
+            assert iterations == [0, 0, 1] and [t["applied"] for t in theirs] == [1, 0, 1]
+            assert [t["skipped_steps"] for t in theirs] == [0, 1, 1]
+            assert [t["global_steps"] for t in theirs] == [1, 2, 3]  # counted anyway
+
+
+# ---------------------------------------------------------------- 3. checkpoints and resume
+RESUME_N = [4, 4, 4, 4]
+RESUME_CFG = {
+    **BASE,
+    "gradient_accumulation_steps": 4,
+    "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.001, "warmup_max_lr": 0.01,
+                                                 "warmup_num_steps": 3, "warmup_type": "linear"}},
+}  # fmt: skip
+
+
+def _resume_table(root):
+    from gas_lab.measure import edges
+
+    rows = {}
+    for stage, managed in MODES:
+        cfg = {**RESUME_CFG, "zero_optimization": {"stage": stage},
+               "managed_gradient_accumulation": managed}  # fmt: skip
+        at = edges.save_points(managed, RESUME_N, window=2, after=2)
+        plans = {"boundary": (at["boundary"], at["boundary"]), "mid, continue": (at["mid"], at["mid"]),
+                 "mid, redo the window": (at["mid"], at["window_start"])}  # fmt: skip
+        for where, (save, restart) in plans.items():
+            for lib in ("gas_lab", "deepspeed"):
+                folder = os.path.join(root, f"{lib}-{stage}-{managed}-{where}")
+                rows[(stage, managed, where, lib)] = edges.resume(lib, cfg, RESUME_N, save, restart,
+                                                                  folder)  # fmt: skip
+    return rows
+
+
+@pytest.mark.ranks
+def test_resume_ends_where_deepspeed_ends(cluster, tmp_path):
+    for rows in cluster.run(_resume_table, str(tmp_path), timeout=300):
+        for stage, managed in MODES:
+            for where in ("boundary", "mid, continue", "mid, redo the window"):
+                ours, theirs = (
+                    rows[(stage, managed, where, lib)] for lib in ("gas_lab", "deepspeed")
+                )
+                name = f"stage {stage}, {'managed' if managed else 'unmanaged'}, {where}"
+                assert (ours["params"] - theirs["params"]).abs().max().item() <= TOL, name
+                for key in ("saved_at", "after_load", "final", "reference"):
+                    assert ours[key] == theirs[key], f"{name}: {key}"
+                assert set(ours["client_state"]) == {"events_run"}  # exactly what was saved
+                assert ours["client_state"]["events_run"] == theirs["client_state"]["events_run"]
+                # What DeepSpeed restores: global_steps/samples, skipped; never micro_steps.
+                assert theirs["after_load"]["micro_steps"] == 0
+                assert theirs["after_load"]["global_steps"] == 2
+                exact = where != "mid, continue"
+                assert (theirs["diff_vs_uninterrupted"] <= TOL) == exact, name
+                if not exact:  # the window's gradients are lost, and visibly so
+                    assert theirs["diff_vs_uninterrupted"] > 1e-3
+                    assert theirs["final"] != theirs["reference"]
+
+
+def _checkpoint_edges(root):
+    import torch.distributed as dist
+
+    from gas_lab.measure import edges
+
+    out = {}
+    for lib in ("gas_lab", "deepspeed"):
+        engine, *_ = edges.build(lib, make_config(1, True))
+        empty = os.path.join(root, lib, "empty")
+        os.makedirs(empty, exist_ok=True)
+        dist.barrier()
+        missing = engine.load_checkpoint(empty)  # no "latest": (None, None) and a warning
+        folder = os.path.join(root, lib, "tagged")
+        saved = engine.save_checkpoint(folder, tag="mytag", save_latest=False)
+        without_tag = engine.load_checkpoint(folder)
+        path, client = engine.load_checkpoint(folder, tag="mytag")
+        out[lib] = (missing, saved, without_tag, path is not None, os.path.isfile(path))
+    return out
+
+
+@pytest.mark.ranks
+def test_load_without_latest_returns_none_and_an_explicit_tag_loads(cluster, tmp_path):
+    for out in cluster.run(_checkpoint_edges, str(tmp_path), timeout=120):
+        assert out["gas_lab"] == out["deepspeed"] == ((None, None), True, (None, None), True, True)
