@@ -28,7 +28,8 @@ def one_gpu(monkeypatch):
 
     monkeypatch.setattr(runtime.Cluster, "start", start)
     monkeypatch.setattr(runtime.Cluster, "stop", lambda self: None)
-    monkeypatch.setattr(runtime, "_register_magic", lambda c: None)
+    monkeypatch.setattr(runtime, "register_magic", lambda *a: None)
+    monkeypatch.setattr(runtime.lifetime, "end_orphans", lambda: 0)
     monkeypatch.setattr(runtime, "_current", None)  # leave the session's ranks alone
     return started
 

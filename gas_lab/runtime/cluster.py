@@ -121,6 +121,9 @@ class Cluster(RankWatch):
         if self.backend == "gloo":
             # CPU ranks even on a GPU machine: hide the GPUs so every layer agrees.
             env.update(DS_ACCELERATOR="cpu", GLOO_SOCKET_IFNAME="lo", CUDA_VISIBLE_DEVICES="")
+        else:
+            # A notebook (or make) that set DS_ACCELERATOR=cpu must not leak it into GPU ranks.
+            env.update(DS_ACCELERATOR="cuda")
         self._ipp = ipp.Cluster(
             n=self.world_size,
             controller_ip="127.0.0.1",
