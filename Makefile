@@ -15,7 +15,7 @@ ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root)
 # DeepSpeed without a GPU uses its CPU accelerator.
 export DS_ACCELERATOR ?= cpu
 
-.PHONY: install lab test unit notebooks lint course docs gpu-check clean
+.PHONY: install lab test unit notebooks lint course docs bench gpu-check clean
 
 install: $(STAMP)
 
@@ -51,6 +51,9 @@ lint: $(STAMP)
 
 course: $(STAMP)  ## run every notebook headless into build/course, print seconds per notebook
 	$(BIN)/python tools/run_course.py tutorials build/course
+
+bench: $(STAMP)  ## time gas_lab vs DeepSpeed vs torch DDP per optimizer step (2 ranks; noisy when shared)
+	OMP_NUM_THREADS=1 $(BIN)/python -m torch.distributed.run --standalone --nproc_per_node=2 tools/bench_step_time.py
 
 docs: $(STAMP)  ## the docs site in build/html, from the executed notebooks, warnings are errors
 	test -f $(EXECUTED)/00_setup.ipynb || $(MAKE) --no-print-directory notebooks
