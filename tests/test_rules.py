@@ -425,3 +425,69 @@ def test_unsafe_direct_backward_at_stage_0_matches_deepspeed_and_drifts(cluster)
         assert (reduces, steps) == (0, 2)  # two updates, no boundary all-reduce at all
     spread = (ranks[0]["gas_lab"][0] - ranks[1]["gas_lab"][0]).abs().max().item()
     assert spread > 1e-2  # each rank stepped on its own gradient: the replicas drifted apart
+
+
+def _direct_backward_unmanaged(lib, config):
+    """On a rank: unmanaged, 2 steps of 3 micro-batches, each (loss / 3).backward() called on
+    the tensor instead of engine.backward(loss, scale_wrt_gas=False)."""
+    import torch
+    import torch.distributed as dist
+
+    from gas_lab.lessons.toys import flat_params, micro_batch, tiny_model
+    from gas_lab.measure.parity import initializer
+
+    model = tiny_model(0)
+    engine = initializer(lib)(model=model, model_parameters=model.parameters(), config=config)[0]
+    for step in range(2):
+        for m in range(3):
+            x, y = micro_batch(0, step, m, dist.get_rank(), 2)
+            (torch.nn.functional.mse_loss(engine(x), y) / 3).backward()
+        engine.step()
+    return flat_params(engine.module), engine.global_samples
+
+
+@pytest.mark.ranks
+def test_trap_direct_backward_at_zero1_is_gas_times_too_small_and_uncounted(cluster):
+    """The trap's text (docs/rules.md, lesson 06) says what DeepSpeed does, measured: the hook
+    divides by GAS, so the update is GAS times too small, and global_samples stays 0."""
+    from gas_lab.measure.parity import reference_params
+    from gas_lab.rules import traps
+
+    trap = next(t for t in traps.TRAPS if t.name == "tensor_backward_zero1")
+    assert "GAS times too small" in trap.symptom and "stays 0" in trap.symptom
+    gas = 4  # not the 3 micro-batches a step runs: "GAS times", not "N times"
+    config = {**UNSAFE_BASE, "gradient_accumulation_steps": gas, "zero_optimization": {"stage": 1}}
+    right = reference_params(config, 2, [3, 3])
+    slow = {**config, "optimizer": {"type": "SGD", "params": {"lr": 0.1 / gas}}}
+    too_small = reference_params(slow, 2, [3, 3])  # SGD: a gradient / GAS = the lr / GAS
+    for lib in ("gas_lab", "deepspeed"):
+        for params, samples in cluster.run(_direct_backward_unmanaged, lib, config, timeout=120):
+            assert (params - too_small).abs().max().item() < 1e-6, lib
+            assert (params - right).abs().max().item() > 1e-2, lib
+            assert samples == 0, lib
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_unsafe_deepcompile_is_plain_at_stage_0_and_fails_in_step_at_zero1(stage, single_process):
+    """DeepCompile, modelled from DeepSpeed's source: stage 0 falls back to torch.compile (the
+    engine trains as without it); at ZeRO-1 no backward() is the boundary, so the averaged
+    gradients step() reads were never set (DeepSpeed: KeyError)."""
+    from gas_lab.lessons.toys import micro_batch
+    from gas_lab.rules import unsafe
+
+    config = {
+        **UNSAFE_BASE,
+        "compile": {"deepcompile": True},
+        "zero_optimization": {"stage": stage},
+    }
+    engine = unsafe.initialize(tiny_model(0), config, ["unmanaged_deepcompile"], quiet=True)[0]
+    for m in range(3):
+        x, y = micro_batch(0, 0, m, 0, 2)
+        engine.backward(torch.nn.functional.mse_loss(engine(x), y))
+    if stage == 1:
+        with pytest.raises(KeyError):
+            engine.step()
+        assert engine.global_steps == 0
+    else:
+        engine.step()
+        assert engine.global_steps == 1

@@ -162,11 +162,13 @@ ALL_RULES: list[Rule] = [
     Rule(
         "unmanaged_deepcompile", "initialize", "initialize", (_MGA, "compile.deepcompile"),
         "unmanaged with DeepCompile",
-        "DeepCompile compiles the gradient reduction into the backward graph (and switches the "
-        "engine's own reduction off); whether a backward() reduces is decided from the boundary "
-        "when it starts. Unmanaged, no backward() is the boundary.",
-        "nothing is ever reduced: every rank updates from its own local gradient and the "
-        "replicas drift apart.",
+        "DeepCompile (active at ZeRO 1-3; stage 0 falls back to torch.compile) compiles the "
+        "gradient reduction into the backward graph and switches the engine's own off; at "
+        "ZeRO-1 a backward() that is not the boundary empties the optimizer's averaged "
+        "gradients. Unmanaged, no backward() is the boundary.",
+        "at ZeRO-1, step() finds no averaged gradients and raises (KeyError, read from "
+        "DeepSpeed's source and modelled in gas_lab.rules.unsafe: its CPU accelerator has no "
+        "DeepCompile op).",
         "AssertionError", "managed_gradient_accumulation=False is not supported with DeepCompile",
         Example(config={**UNMANAGED, "compile": {"deepcompile": True}}),
         lambda s: _unmanaged(s) and s.config.compile.deepcompile,

@@ -89,10 +89,12 @@ TRAPS: list[Trap] = [
         lambda c, loop: _raw_unmanaged(c) and _zero_stage(c) >= 2 and _uneven(c, loop),
     ),
     Trap(
-        "tensor_backward_counts", "unmanaged, ZeRO >= 1, loss.backward() instead of engine's",
-        "the gradients are right (DeepSpeed hooks the model output), but global_samples counts "
-        "only engine.backward() calls: it stays 0.",
-        "always call engine.backward(loss)",
+        "tensor_backward_zero1", "unmanaged, ZeRO >= 1, loss.backward() instead of engine's",
+        "DeepSpeed's hook on the model output divides the gradient by gradient_accumulation_steps, "
+        "as engine.backward(loss) with the default scaling does: a loss already divided by N "
+        "gives updates GAS times too small (lesson 04); and global_samples counts only "
+        "engine.backward() calls: it stays 0.",
+        "always engine.backward(loss, scale_wrt_gas=False), never loss.backward()",
         lambda c, loop: _raw_unmanaged(c) and _zero_stage(c) >= 1 and loop.backward == "tensor",
     ),
 ]  # fmt: skip

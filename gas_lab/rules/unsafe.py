@@ -7,8 +7,13 @@ exists: with the check skipped, the run completes without an error, and only a m
 :func:`initialize` builds gas_lab's engine with the named rules skipped, plus the
 boundary-gated work DeepSpeed would do for the feature the rule was guarding:
 
-* ``overlap_comm`` at ZeRO >= 1 and ``DeepCompile`` reduce *inside backward()*, and only in
-  the backward() of the boundary micro-batch; step() then trusts that they did.
+* ``overlap_comm`` at ZeRO >= 1 reduces *inside backward()*, and only in the backward() of the
+  boundary micro-batch; step() then trusts that it did.
+* ``DeepCompile`` is modelled from DeepSpeed's source (its CPU accelerator has no DeepCompile
+  op, so it cannot run here): at stage 0
+  DeepSpeed falls back to plain torch.compile, which changes nothing here; at ZeRO-1 every
+  backward() that is not the boundary empties the optimizer's averaged gradients
+  (``deepspeed/compile/init_z1_and_2.py``), so step() finds none and raises ``KeyError``.
 * Apex ``amp`` multiplies the loss by a loss scale and divides the gradients by it again only
   in the backward() of the boundary micro-batch (``delay_unscale`` on all the others).
 * like DeepSpeed's engine, step() reduces only at a boundary and never inside ``no_sync()``.
@@ -71,9 +76,11 @@ class UnsafeEngine(gas_engine.Engine):
         self.skipped = frozenset(skipped)
         zero = config.zero_optimization
         # At stage 0 DeepSpeed ignores overlap_comm (there is no ZeRO optimizer to overlap).
-        self.reduces_in_backward_only = (zero.overlap and zero.stage >= 1) or (
-            config.compile.deepcompile
-        )
+        self.reduces_in_backward_only = zero.overlap and zero.stage >= 1
+        # DeepCompile is active at ZeRO 1-3 only; at ZeRO-1 only a boundary backward() leaves
+        # averaged gradients for step() (a non-boundary one empties them).
+        self.deepcompile_zero1 = config.compile.deepcompile and zero.stage == 1
+        self._averaged_by_backward = False
         self.loss_scale = loss_scale if config.amp is not None else None
         self._update = GatedReduction(self._update, self)
 
@@ -83,6 +90,7 @@ class UnsafeEngine(gas_engine.Engine):
 
     def backward(self, loss, retain_graph=False, scale_wrt_gas=True):
         boundary = self.is_gradient_accumulation_boundary() and not self.inside_no_sync_ctxt
+        self._averaged_by_backward = self.is_gradient_accumulation_boundary()
         if self.loss_scale is not None:
             loss = loss * self.loss_scale  # Apex: scale up so small fp16 gradients survive
         with refusals.skipping(self.skipped):
@@ -106,6 +114,9 @@ class UnsafeEngine(gas_engine.Engine):
         super()._after_direct_backward()
 
     def step(self, lr_kwargs=None):
+        if self.deepcompile_zero1 and not self.managed_gradient_accumulation():
+            if not self._averaged_by_backward:  # DeepSpeed's ZeRO-1 step() reads
+                raise KeyError(0)  # averaged_gradients[0], which no backward() set
         with refusals.skipping(self.skipped):
             return super().step(lr_kwargs)
 
