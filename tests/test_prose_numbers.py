@@ -25,8 +25,8 @@ digits and checked above) is a number in disguise and is refused; and "bit for b
 assertion (``==`` in an ``assert``, ``torch.equal``, ``.equal(``) in one of the two code cells
 before or after the markdown cell that says it (a plot cell often sits in between).
 
-Run ``python tests/test_prose_numbers.py`` to print, per lesson, the number tokens its markdown
-states and how many of them are unchecked.
+Run ``python tests/test_prose_numbers.py [-v] [FOLDER]`` to print, per lesson, the number tokens
+its markdown states and how many of them are unchecked (``-v``: each one).
 """
 
 from __future__ import annotations
@@ -435,8 +435,15 @@ def test_objective_minutes_follow_the_agenda():
     assert ("20", "minutes") in got and ("25 min", "of objectives exceed the 20 minutes") in got
 
 
-def count() -> None:
-    """Print the number tokens of every lesson's markdown, and the unchecked ones."""
+def count(folder: Path | None = None) -> None:
+    """Print the number tokens of every lesson's markdown, and the unchecked ones.
+
+    ``python tests/test_prose_numbers.py [-v] [FOLDER]``: FOLDER holds other copies of the
+    lessons (e.g. an older commit's ``tutorials/``, from ``git archive``) to count instead.
+    """
+    global LESSONS
+    if folder is not None:
+        LESSONS = sorted(folder.glob("[0-9][0-9]_*.ipynb"))
     total = unchecked = 0
     for path in LESSONS:
         tokens, findings = check_notebook(Notebook.read(path))
@@ -449,4 +456,5 @@ def count() -> None:
 
 
 if __name__ == "__main__":
-    count()
+    folders = [Path(a) for a in sys.argv[1:] if a != "-v"]
+    count(folders[0] if folders else None)
