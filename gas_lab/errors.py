@@ -2,7 +2,8 @@
 
 * :class:`ConfigError`: a bad key or value in the config; names the key and the reason.
 * :class:`RejectedCombination`: a combination DeepSpeed 0.19.8 refuses too (the rules in
-  :mod:`gas_lab.rules.refusals`); the message names the keys and says why.
+  :mod:`gas_lab.rules.refusals`); the message names the keys and says why, and the exception is
+  also an instance of the type DeepSpeed raises there (``AssertionError``, ``ValueError``...).
 * :class:`NotImplementedInGasLab`: fine in DeepSpeed, deliberately left out of the course.
 
 All three are :class:`GasLabError`, so ``except GasLabError`` catches what gas_lab means to
@@ -10,6 +11,8 @@ raise and nothing else.
 """
 
 from __future__ import annotations
+
+import builtins
 
 
 class GasLabError(Exception):
@@ -27,7 +30,11 @@ class ConfigError(GasLabError, ValueError):
 class RejectedCombination(GasLabError):
     """A combination DeepSpeed rejects too; the message names the keys and says why.
 
-    ``rule`` is the :class:`gas_lab.rules.refusals.Rule` that fired.
+    ``rule`` is the :class:`gas_lab.rules.refusals.Rule` that fired. gas_lab raises
+    ``RejectedCombination.of(rule)``: an instance of a subclass (named ``RejectedCombination``
+    too) that also derives from the type DeepSpeed raises for that rule
+    (``rule.deepspeed_raises``), so a loop written for DeepSpeed, with ``except AssertionError``
+    or ``pytest.raises(ValueError)``, catches gas_lab's refusal as it would DeepSpeed's.
     """
 
     def __init__(self, rule):
@@ -37,6 +44,53 @@ class RejectedCombination(GasLabError):
             f"\n  Refused as by DeepSpeed 0.19.8, which raises {rule.deepspeed_raises} at "
             f"{rule.moment}: {rule.deepspeed_message!r}"
         )
+
+    @classmethod
+    def of(cls, rule) -> RejectedCombination:
+        """The refusal for ``rule``, an instance of DeepSpeed's exception type for it too."""
+        return _refusal_class(rule.deepspeed_raises)(rule)
+
+    def __reduce__(self):
+        # A rule holds a lambda, which does not pickle; ranks send exceptions back pickled.
+        rule = self.rule
+        return _unpickle, (rule.name, rule.deepspeed_raises, str(self))
+
+
+_REFUSAL_CLASSES: dict[str, type] = {}
+
+
+def deepspeed_exception_type(name: str) -> type | None:
+    """The exception class DeepSpeed raises, from its name in a rule: a builtin
+    (``"AssertionError"``) or ``"DeepSpeedConfigError"`` (imported from DeepSpeed, only then)."""
+    if name == "DeepSpeedConfigError":
+        try:
+            from deepspeed.runtime.config import DeepSpeedConfigError
+        except ImportError:  # no DeepSpeed here: nothing written for it to catch
+            return None
+        return DeepSpeedConfigError
+    found = getattr(builtins, name, None)
+    return found if isinstance(found, type) and issubclass(found, Exception) else None
+
+
+def _refusal_class(name: str) -> type:
+    if name not in _REFUSAL_CLASSES:
+        base = deepspeed_exception_type(name)
+        bases = (RejectedCombination,) if base is None else (RejectedCombination, base)
+        attrs = {"__module__": __name__, "__qualname__": "RejectedCombination"}
+        _REFUSAL_CLASSES[name] = type("RejectedCombination", bases, attrs)
+    return _REFUSAL_CLASSES[name]
+
+
+def _unpickle(rule_name: str, raises: str, message: str) -> RejectedCombination:
+    from gas_lab.rules.refusals import ALL_RULES
+
+    rule = next((r for r in ALL_RULES if r.name == rule_name), None)
+    if rule is not None and str(RejectedCombination(rule)) == message:
+        return RejectedCombination.of(rule)
+    exc = _refusal_class(raises).__new__(_refusal_class(raises))  # a rule made elsewhere
+    Exception.__init__(exc, message)
+    exc.rule = None
+    return exc
 
 
 class NotImplementedInGasLab(GasLabError, NotImplementedError):

@@ -123,8 +123,14 @@ def _rules():
     out = []
     for rule in refusals.RULES:
         raised = check_rule(rule)
-        out.append({k: (type(v).__name__, str(v)) if v else None for k, v in raised.items()})
+        out.append(
+            {k: (type(v).__name__, str(v), _types(v)) if v else None for k, v in raised.items()}
+        )
     return out
+
+
+def _types(err) -> list[str]:
+    return [c.__name__ for c in type(err).__mro__]
 
 
 def test_refusals_match_deepspeed(cluster):
@@ -134,8 +140,9 @@ def test_refusals_match_deepspeed(cluster):
         for rule, raised in zip(refusals.RULES, per_rule, strict=True):
             assert raised["gas_lab"] and raised["gas_lab"][0] == "RejectedCombination", rule.name
             assert raised["deepspeed"], f"DeepSpeed no longer refuses {rule.name}"
-            ds_type, ds_message = raised["deepspeed"]
+            ds_type, ds_message, _ = raised["deepspeed"]
             assert ds_type == rule.deepspeed_raises, rule.name
+            assert ds_type in raised["gas_lab"][2], rule.name  # catchable as DeepSpeed's
             assert rule.deepspeed_message in ds_message, rule.name
 
 

@@ -207,6 +207,7 @@ def run_case(initialize, case: dict, model_fn=_model) -> dict:
             _run_op(engine, op, state, contexts)
     except Exception as err:  # the point: record whatever is raised, wherever
         return {"outcome": "rejected", "exception": type(err).__name__,
+                "is_a": _exception_types(err),
                 "message": str(err).strip(), "raised_in": op,
                 "moment": MOMENT.get(op, "call")}  # fmt: skip
     optimizer = getattr(engine, "optimizer", None)
@@ -219,6 +220,12 @@ def run_case(initialize, case: dict, model_fn=_model) -> dict:
             "counters": [engine.global_steps, engine.global_samples, engine.micro_steps],
         },
     }  # fmt: skip
+
+
+def _exception_types(err: BaseException) -> list[str]:
+    """The names ``err`` can be caught by, itself first (gas_lab's RejectedCombination is also
+    the type DeepSpeed raises for the rule)."""
+    return [c.__name__ for c in type(err).__mro__ if c not in (BaseException, Exception, object)]
 
 
 def measure(selected: list[dict], engine: str = "deepspeed") -> list[dict]:
