@@ -20,6 +20,11 @@ At the accumulation boundary (``gas_lab.engine`` decides when; this module decid
 4. **all-gather** the shards into the flat buffer. The model's parameters are views into that
    buffer, so the all-gather writes the new weights straight into the model.
 
+Between the boundary's reduction and the update a parameter's gradient exists only as shards
+(``param.grad`` is None). :func:`full_gradient` assembles it, and each parameter carries the two
+attributes ``deepspeed.utils.safe_get_full_grad(param)`` looks for, so code that reads
+gradients the DeepSpeed way reads gas_lab's too.
+
 Taught in lesson 05 (``tutorials/05_zero1.ipynb``); lesson 08 adds bf16 (fp32 master shards,
 bf16 or fp32 accumulation, :mod:`gas_lab.precision`), the skipped update on a non-finite norm,
 ``"gradient_allreduce_op": "sum"`` and the per-rank checkpoint of a shard.
@@ -27,6 +32,7 @@ bf16 or fp32 accumulation, :mod:`gas_lab.precision`), the skipped update on a no
 
 from __future__ import annotations
 
+import types
 import warnings
 
 import torch
@@ -158,6 +164,10 @@ class ShardedUpdate:
             flat_group = _FlatGroup(mine, self.world_size, self.rank)
             param_group["params"] = [flat_group.master]
             self.groups.append(flat_group)
+            for p, offset in zip(mine, flat_group.layout.offsets, strict=True):
+                # The names DeepSpeed's ZeRO-1 gives them, which safe_get_full_grad looks for.
+                p._hp_mapping = (group, flat_group, offset)
+                p.get_full_hp_grad = types.MethodType(full_gradient, p)
         self.optimizer = optimizer
         self.last_norm: float | None = None  # the global gradient norm of the last update
         self.average = config.gradient_allreduce_op == "mean"
@@ -273,6 +283,36 @@ class ShardedUpdate:
         with torch.no_grad():
             for g, master in zip(self.groups, saved, strict=True):
                 g.master.copy_(master if master is not None else g.flat[g.start : g.end])
+
+    def destroy(self) -> None:
+        """Take gas_lab's attributes off the model's parameters (``engine.destroy()``)."""
+        for p in (p for g in self.groups for p in g.params):
+            for name in ("_hp_mapping", "get_full_hp_grad"):
+                if name in vars(p):
+                    delattr(p, name)
+
+
+def full_gradient(param: torch.nn.Parameter) -> torch.Tensor:
+    """The rank-averaged fp32 gradient of ``param`` while it exists only as shards: from the
+    boundary's reduction until the update (afterwards: ValueError, as in DeepSpeed).
+
+    A collective: every rank calls it for the same parameters in the same order. Each rank
+    writes the part of ``param`` its shard holds into zeros; one all-reduce (a sum) puts the
+    parts together, as DeepSpeed's ``get_full_hp_grad`` does.
+    """
+    group, g, offset = param._hp_mapping
+    if g.grad_shard is None:
+        raise ValueError(
+            "Gradients are only available immediately after backward and before engine step"
+        )
+    n = param.numel()
+    full = torch.zeros(n, dtype=torch.float32, device=g.flat.device)
+    lo, hi = max(offset, g.start), min(offset + n, g.end)  # this rank's part of param
+    if lo < hi:
+        full[lo - offset : hi - offset] = g.grad_shard[lo - g.start : hi - g.start]
+    if group is not None:
+        dist.all_reduce(full, group=group)
+    return full.view_as(param)
 
 
 def global_norm(shards: list[torch.Tensor], group=None) -> torch.Tensor:
