@@ -65,6 +65,7 @@ class Engine(torch.nn.Module):
         self.training_dataloader = None  # initialize(training_data=...) (lesson 08)
         self.inside_no_sync_ctxt = False
         self._unmanaged_backward_count = 0  # backward() calls since the last step()
+        self._idle = True  # no backward pass since the last step() (refused at ZeRO-1)
         self._boundary_override = None  # set_gradient_accumulation_boundary() (managed only)
         self._inside_step = False  # unmanaged: the boundary is "inside step()"
         self._inside_engine_backward = False  # the output hooks leave engine.backward() alone
@@ -102,6 +103,7 @@ class Engine(torch.nn.Module):
         finally:
             self._inside_engine_backward = False
         self._strategy_hook("after_backward")  # e.g. bf16 gradients added into fp32 buffers
+        self._idle = False
         # Managed: the boundary micro-batch reduces right away (unless inside no_sync()).
         # Unmanaged, this is never the boundary (only step() is): gradients stay local.
         self._reduce_if_boundary()
@@ -127,6 +129,7 @@ class Engine(torch.nn.Module):
 
     def _after_direct_backward(self):
         self._direct_backward_seen = False
+        self._idle = False
         self._strategy_hook("after_backward")
         self._reduce_if_boundary()
 
@@ -165,6 +168,7 @@ class Engine(torch.nn.Module):
                     self.global_samples += self._config.samples_per_micro_batch * micro_batches
         finally:
             self._inside_step = False
+        self._idle = True
         self.micro_steps += 1  # counts every step() call, boundary or not, as DeepSpeed does
 
     # -- the boundary ----------------------------------------------------------------------------
@@ -209,7 +213,9 @@ class Engine(torch.nn.Module):
             self._update.reduce_gradients()
 
     def _situation(self, action: str) -> Situation:
-        return Situation(self._config, action, inside_no_sync=self.inside_no_sync_ctxt)
+        return Situation(
+            self._config, action, inside_no_sync=self.inside_no_sync_ctxt, idle=self._idle
+        )
 
     # -- read-only facts, named as in DeepSpeed --------------------------------------------------
     def was_step_applied(self) -> bool:
@@ -239,6 +245,12 @@ class Engine(torch.nn.Module):
     def zero_grad(self) -> None:
         for p in self.module.parameters():
             p.grad = None
+
+    def destroy(self) -> None:
+        """Release what the engine attached to the model, as DeepSpeed's ``engine.destroy()``:
+        at ZeRO-1 the attributes that expose sharded gradients (at stage 0 nothing is attached).
+        The module keeps its trained weights and can be used without the engine."""
+        self._strategy_hook("destroy")
 
     # -- checkpoints (lesson 08, gas_lab/checkpoint.py) ------------------------------------------
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True) -> bool:

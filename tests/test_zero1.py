@@ -79,7 +79,7 @@ def single_process(monkeypatch):
 
 
 @pytest.mark.usefixtures("single_process")
-@pytest.mark.parametrize("managed, n_per_step", [(True, [3, 3, 3]), (False, [2, 5, 0, 1])])
+@pytest.mark.parametrize("managed, n_per_step", [(True, [3, 3, 3]), (False, [2, 5, 1, 3])])
 @pytest.mark.parametrize("optimizer", [SGD, ADAMW], ids=["sgd", "adamw"])
 @pytest.mark.parametrize("clip", [0.0, 0.05])
 @pytest.mark.parametrize("model_fn", [tiny_model, PartlyFrozen], ids=["tiny", "partly-frozen"])
@@ -97,6 +97,17 @@ def test_stage_1_on_one_process_is_stage_0(managed, n_per_step, optimizer, clip,
         for p, q in zip(zero.module.parameters(), model_fn(0).parameters(), strict=True)
     ]
     assert max(moved) > 1e-3  # training did something
+
+
+@pytest.mark.usefixtures("single_process")
+def test_an_idle_step_is_refused_at_stage_1_only():
+    """Unmanaged, a step() after no backward(): stage 0 steps on zeros, stage 1 refuses as
+    DeepSpeed's ZeRO-1 fails (IndexError), naming the workaround (test_idle_rank.py)."""
+    plain, _ = _train(0, SGD, False, 0.0, [2, 0, 1])
+    assert plain.global_steps == 3
+    with pytest.raises(IndexError, match="dummy micro-batch") as err:
+        _train(1, SGD, False, 0.0, [2, 0, 1])
+    assert err.value.rule.name == "idle_rank_stage1"
 
 
 @pytest.mark.usefixtures("single_process")
@@ -219,30 +230,32 @@ def _step_without_backward():
     from gas_lab.measure.parity import deepspeed_initialize, train
 
     cfg, n = config(ADAM, 3, False), [2, 0, 5, 1]
-    engines = {
-        stage: train(initialize, {**cfg, "zero_optimization": {"stage": stage}}, 4, n)[0]
-        for stage in (0, 1)
-    }
-    diff = max(
-        (p - q).abs().max().item()
-        for p, q in zip(engines[0].module.parameters(), engines[1].module.parameters(), strict=True)
-    )
-    try:
-        train(deepspeed_initialize(), cfg, 4, n)
-        raised = None
-    except IndexError as err:  # inside DeepSpeed's reduce_ipg_grads, on every rank
-        raised = str(err)
-    return diff, engines[1].global_steps, raised
+    stage0 = {**cfg, "zero_optimization": {"stage": 0}}
+    steps = {}
+    for name, init, c in [
+        ("gas_lab stage 0", initialize, stage0),
+        ("deepspeed stage 0", deepspeed_initialize(), stage0),
+        ("gas_lab stage 1", initialize, cfg),
+        ("deepspeed stage 1", deepspeed_initialize(), cfg),
+    ]:
+        try:
+            steps[name] = train(init, c, 4, n)[0].global_steps
+        except IndexError as err:  # every rank idle: each fails alone, no rank is left waiting
+            steps[name] = f"{type(err).__name__}: {err}"
+    return steps
 
 
 @pytest.mark.ranks
 def test_a_step_without_backward(cluster):
-    """Unmanaged, a step() after no backward() at all (N = 0 micro-batches): gas_lab stage 1
-    steps on a zero gradient, like stage 0 (which matches DeepSpeed stage 0, test_parity.py).
-    DeepSpeed 0.19.8 stage 1 raises IndexError there; this test notices when that changes."""
-    for diff, global_steps, raised in cluster.run(_step_without_backward, timeout=120):
-        assert diff <= TOL and global_steps == 4
-        assert raised is not None and "index out of range" in raised
+    """Unmanaged, a step() after no backward() on every rank (N = 0 micro-batches): at stage 0
+    both libraries step on zero gradients (test_parity.py compares the weights); at stage 1
+    DeepSpeed 0.19.8 raises IndexError in its reduction on every rank, and gas_lab refuses
+    with an IndexError too (rule idle_rank_stage1; one idle rank: tests/test_idle_rank.py)."""
+    for steps in cluster.run(_step_without_backward, timeout=120):
+        assert steps["gas_lab stage 0"] == steps["deepspeed stage 0"] == 4
+        assert "list index out of range" in steps["deepspeed stage 1"]
+        assert steps["gas_lab stage 1"].startswith("IndexError: managed_gradient_accumulation")
+        assert "list index out of range" in steps["gas_lab stage 1"]
 
 
 def _sharded_initialize(mode):

@@ -201,6 +201,8 @@ def _trigger(initialize, config, example: refusals.Example) -> None:
             pass
     elif example.action == "tensor_backward":
         torch.nn.functional.mse_loss(engine(x), y).backward()
+    elif example.action == "idle_step":  # every rank idle: DeepSpeed fails on all of them
+        engine.step()
     elif example.action != "initialize":
         raise ValueError(f"unknown example action {example.action!r}")
 
@@ -213,6 +215,7 @@ def reference_params(
     clip: float = 0.0,
     seed: int = 0,
     grad_norms: list[float] | None = None,
+    skip_empty: bool = False,
 ) -> torch.Tensor:
     """Single process, no engine: the parameters a correct loop ends with (returned flat).
 
@@ -221,6 +224,8 @@ def reference_params(
     same), clips at ``clip`` if it is > 0, and takes one step of the optimizer the config
     names (built as DeepSpeed builds it: type "Adam" is AdamW). Runs anywhere; no collectives.
     If ``grad_norms`` is a list, each step's gradient norm (before clipping) is appended to it.
+    A step without data anywhere steps on zero gradients, as DeepSpeed's engines do (stage 0),
+    or, with ``skip_empty``, does not update (a loop that skips it: lesson 07).
     """
     cfg = load_config(config, world_size=world_size)
     model = tiny_model(seed)
@@ -234,6 +239,8 @@ def reference_params(
                 micro_batches_in(micro_batches, step, rank, cfg.gradient_accumulation_steps)
             )
         ]
+        if not pairs and skip_empty:
+            continue
         if not pairs:
             # No data anywhere: the engines still step, with zero gradients.
             for p in model.parameters():

@@ -44,11 +44,14 @@ def predict(
     """
     cfg = parse(config)
     inside = False  # inside no_sync() or coalesce_grad_reduction(): both suspend the reduction
+    idle = True  # no backward pass since the last step()
     for op in ("initialize", *ops):
         action = OP_ACTIONS.get(op, op)
-        rule = first_violation(Situation(cfg, action, inside, pipeline), ALL_RULES)
+        rule = first_violation(Situation(cfg, action, inside, pipeline, idle), ALL_RULES)
         if rule is not None:
             return rule, op
+        if op in ("backward", "tensor_backward", "train_batch", "step"):
+            idle = op == "step"
         if op in ("enter_no_sync", "enter_coalesce"):
             inside = True
         elif op in ("exit_no_sync", "exit_coalesce"):

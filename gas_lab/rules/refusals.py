@@ -40,6 +40,7 @@ class Situation:
     action: str = "initialize"  # or an engine call: "step", "no_sync", "tensor.backward", ...
     inside_no_sync: bool = False
     pipeline: bool = False  # the model is a DeepSpeed PipelineModule
+    idle: bool = False  # no backward pass on this rank since its last step() (lesson 07)
 
 
 @dataclass(frozen=True)
@@ -303,6 +304,21 @@ ALL_RULES: list[Rule] = [
         Example(action="tensor_backward"),
         lambda s: _stage(s) == 0,
     ),
+    # -- lesson 07: a rank with nothing to train on (data/deepspeed_0.19.8_idle_rank.json) ----
+    Rule(
+        "idle_rank_stage1", "step", "call", (_MGA, "zero_optimization.stage=1", "step()"),
+        "unmanaged, ZeRO stage 1, step() on a rank that ran no backward() since its last step()",
+        "DeepSpeed's ZeRO-1 reduces, inside an unmanaged step(), the gradients this rank "
+        "produced since the last one; with none it indexes an empty list and raises on this "
+        "rank, while the other ranks wait in their gradient all-reduce and die when this one "
+        "does. (Stage 0 reduces zeros for the missing gradients and trains right.) Give an "
+        "idle rank a dummy micro-batch whose loss is multiplied by 0 and counts no tokens.",
+        "a loop that trains here (zeros for the idle rank) and crashes on DeepSpeed the first "
+        "time a rank gets no data.",
+        "IndexError", "list index out of range",
+        Example(config={**UNMANAGED, "zero_optimization": {"stage": 1}}, action="idle_step"),
+        lambda s: _unmanaged(s) and _stage(s) == 1 and s.idle,
+    ),
 ]  # fmt: skip
 
 RULES: list[Rule] = [r for r in ALL_RULES if r.gas_lab == SAME]
@@ -397,7 +413,7 @@ def enforce(situation: Situation) -> None:
     """
     rule = first_violation(situation, RULES)
     if rule is not None:
-        raise RejectedCombination(rule)
+        raise RejectedCombination.of(rule)
     item = first_violation(situation, OUT_OF_SCOPE)
     if item is not None:
         raise NotImplementedInGasLab(f"{item.condition} is out of gas_lab's scope. {item.pointer}")
