@@ -4,4 +4,6 @@
 * :mod:`~gas_lab.measure.memory`: optimizer-state bytes per rank, from the real tensors.
 * :mod:`~gas_lab.measure.parity`: one loop on gas_lab and on DeepSpeed, and the single-process
   reference both must reach.
+* :mod:`~gas_lab.measure.idle_rank`: a rank with nothing to train on, per ZeRO stage, on both
+  libraries, and the dummy micro-batch that fixes it (lesson 07).
 """
