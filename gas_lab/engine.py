@@ -65,7 +65,7 @@ class Engine(torch.nn.Module):
         self.training_dataloader = None  # initialize(training_data=...) (lesson 08)
         self.inside_no_sync_ctxt = False
         self._unmanaged_backward_count = 0  # backward() calls since the last step()
-        self._idle = True  # no backward pass since the last step() (refused at ZeRO-1)
+        self._window_empty = True  # no backward, no reduction since the last update (lesson 07)
         self._boundary_override = None  # set_gradient_accumulation_boundary() (managed only)
         self._inside_step = False  # unmanaged: the boundary is "inside step()"
         self._inside_engine_backward = False  # the output hooks leave engine.backward() alone
@@ -103,7 +103,7 @@ class Engine(torch.nn.Module):
         finally:
             self._inside_engine_backward = False
         self._strategy_hook("after_backward")  # e.g. bf16 gradients added into fp32 buffers
-        self._idle = False
+        self._window_empty = False
         # Managed: the boundary micro-batch reduces right away (unless inside no_sync()).
         # Unmanaged, this is never the boundary (only step() is): gradients stay local.
         self._reduce_if_boundary()
@@ -129,7 +129,7 @@ class Engine(torch.nn.Module):
 
     def _after_direct_backward(self):
         self._direct_backward_seen = False
-        self._idle = False
+        self._window_empty = False
         self._strategy_hook("after_backward")
         self._reduce_if_boundary()
 
@@ -151,6 +151,7 @@ class Engine(torch.nn.Module):
             if not self.managed_gradient_accumulation():
                 self._update.reduce_gradients()
             if self.is_gradient_accumulation_boundary():
+                self._window_empty = True  # a new accumulation window starts
                 self._step_applied = self._update.update()
                 if self._step_applied:
                     schedules.step_after_update(self.lr_scheduler, lr_kwargs,
@@ -168,7 +169,6 @@ class Engine(torch.nn.Module):
                     self.global_samples += self._config.samples_per_micro_batch * micro_batches
         finally:
             self._inside_step = False
-        self._idle = True
         self.micro_steps += 1  # counts every step() call, boundary or not, as DeepSpeed does
 
     # -- the boundary ----------------------------------------------------------------------------
@@ -211,11 +211,15 @@ class Engine(torch.nn.Module):
         finally:
             self.inside_no_sync_ctxt = False
             self._update.reduce_gradients()
+            self._window_empty = False  # reduced, even if nothing: DeepSpeed then steps
 
     def _situation(self, action: str) -> Situation:
-        return Situation(
-            self._config, action, inside_no_sync=self.inside_no_sync_ctxt, idle=self._idle
+        # An update ahead (unmanaged: every step(); managed: the boundary) from no backward().
+        update = (
+            not self.managed_gradient_accumulation() or self.is_gradient_accumulation_boundary()
         )
+        idle = action == "step" and update and self._window_empty
+        return Situation(self._config, action, inside_no_sync=self.inside_no_sync_ctxt, idle=idle)
 
     # -- read-only facts, named as in DeepSpeed --------------------------------------------------
     def was_step_applied(self) -> bool:

@@ -45,7 +45,12 @@ def in_scope(case) -> bool:
 
 # Rules no script of gas_lab.rules.matrix reaches; tests/test_parity.py checks each one
 # against live DeepSpeed instead (test_refusals_match_deepspeed runs every rule's example).
-NOT_IN_MATRIX = {"coalesce_nested", "idle_rank_stage1"}
+NOT_IN_MATRIX = {
+    "coalesce_nested",
+    "idle_rank_stage1",
+    "idle_window_stage1",
+    "idle_window_stage0_clipping",
+}
 
 
 # ---------------------------------------------------------------- 1. the data alone
@@ -86,7 +91,10 @@ def _parses(case) -> bool:
 
 def test_predict_walks_the_ops():
     base = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {}}}
-    assert prediction.predict(base, ["enter_no_sync", "exit_no_sync", "step"]) == (None, None)
+    assert prediction.predict(base, ["enter_no_sync", "exit_no_sync", "backward", "step"]) == (
+        None,
+        None,
+    )
     rule, op = prediction.predict(base, ["enter_no_sync", "backward", "step"])
     assert (rule.name, op) == ("step_in_no_sync", "step")
     unmanaged = {**base, "managed_gradient_accumulation": False}
@@ -103,6 +111,12 @@ def test_predict_walks_the_ops():
     for ops in (["step"], ["backward", "step", "step"]):
         assert prediction.predict(idle, ops)[0].name == "idle_rank_stage1"
     assert prediction.predict({**idle, "zero_optimization": {"stage": 0}}, ["step"]) == (None, None)
+    # Managed, the boundary step() of a window without backward(): refused where DeepSpeed fails
+    gas2 = {**zero1, "gradient_accumulation_steps": 2, "train_batch_size": 2}
+    assert prediction.predict(gas2, ["step", "backward", "step"]) == (None, None)
+    assert prediction.predict(gas2, ["step", "step"])[0].name == "idle_window_stage1"
+    assert prediction.predict(base, ["step"])[0].name == "idle_window_stage0_clipping"
+    assert prediction.predict({**base, "gradient_clipping": 0.0}, ["step"]) == (None, None)
 
 
 def test_table_has_every_rule_once_as_markdown():

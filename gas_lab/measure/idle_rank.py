@@ -273,8 +273,8 @@ def summary(ranks: list[dict]) -> str:
 def _said(rank: dict) -> str:
     if rank["outcome"] == "raised" and rank.get("refused_as"):
         return f"refused ({rank['refused_as']})"
-    if rank["outcome"] == "raised" and "closed by peer" in rank["message"]:
-        return f"{rank['exception']}, connection closed by peer"
+    if rank["outcome"] == "raised" and "by peer" in rank["message"]:  # gloo: the peer died
+        return f"{rank['exception']}, its peer is gone"
     if rank["outcome"] == "raised":
         return rank["exception"]
     return {"abort": "aborted by gloo (message sizes differ)", "hang": "waits, timed out"}.get(
@@ -282,14 +282,19 @@ def _said(rank: dict) -> str:
     )
 
 
-def main(out: Path | None = None) -> Path:
+def main(libs: tuple[str, ...] = ("deepspeed", "gas_lab"), out: Path | None = None) -> Path:
+    """Measure the cases of ``libs`` and write the file; cases of other libraries already in
+    it are kept (``python -m gas_lab.measure.idle_rank gas_lab`` re-measures gas_lab only)."""
     import deepspeed
 
-    results = []
-    for case in cases():
+    out = out or DATA / f"deepspeed_{deepspeed.__version__}_idle_rank.json"
+    kept = json.loads(out.read_text())["cases"] if out.exists() else []
+    results = [c for c in kept if c["lib"] not in libs]
+    for case in cases(libs):
         results.append(measure_case(case))
         print(case, "->", [r["outcome"] for r in results[-1]["ranks"]], flush=True)
-    out = out or DATA / f"deepspeed_{deepspeed.__version__}_idle_rank.json"
+    order = {lib: i for i, lib in enumerate(("deepspeed", "gas_lab"))}
+    results.sort(key=lambda c: order[c["lib"]])  # stable: each library's cases in their order
     doc = {
         "deepspeed_version": deepspeed.__version__,
         "torch_version": torch.__version__,
@@ -304,4 +309,4 @@ def main(out: Path | None = None) -> Path:
 
 
 if __name__ == "__main__":
-    print(main())
+    print(main(tuple(sys.argv[1:]) or ("deepspeed", "gas_lab")))

@@ -203,6 +203,10 @@ def _trigger(initialize, config, example: refusals.Example) -> None:
         torch.nn.functional.mse_loss(engine(x), y).backward()
     elif example.action == "idle_step":  # every rank idle: DeepSpeed fails on all of them
         engine.step()
+    elif example.action == "idle_window":  # a window with data, then one without
+        engine.backward(torch.nn.functional.mse_loss(engine(x), y))
+        engine.step()
+        engine.step()
     elif example.action != "initialize":
         raise ValueError(f"unknown example action {example.action!r}")
 

@@ -44,14 +44,26 @@ def predict(
     """
     cfg = parse(config)
     inside = False  # inside no_sync() or coalesce_grad_reduction(): both suspend the reduction
-    idle = True  # no backward pass since the last step()
+    idle, micro, override = True, 0, None  # no backward() since the last update; micro-steps
     for op in ("initialize", *ops):
         action = OP_ACTIONS.get(op, op)
-        rule = first_violation(Situation(cfg, action, inside, pipeline, idle), ALL_RULES)
+        update = op == "step" and (
+            not cfg.managed_gradient_accumulation
+            or (
+                override
+                if override is not None
+                else (micro + 1) % (cfg.gradient_accumulation_steps or 1) == 0
+            )
+        )
+        rule = first_violation(Situation(cfg, action, inside, pipeline, idle and update), ALL_RULES)
         if rule is not None:
             return rule, op
-        if op in ("backward", "tensor_backward", "train_batch", "step"):
-            idle = op == "step"
+        if op in ("backward", "tensor_backward", "train_batch", "exit_coalesce"):
+            idle = False  # leaving coalesce_grad_reduction() reduces, even nothing
+        elif op == "step":
+            idle, micro = idle or update, micro + 1
+        elif op.startswith("set_boundary_"):
+            override = op == "set_boundary_true"
         if op in ("enter_no_sync", "enter_coalesce"):
             inside = True
         elif op in ("exit_no_sync", "exit_coalesce"):

@@ -40,7 +40,7 @@ class Situation:
     action: str = "initialize"  # or an engine call: "step", "no_sync", "tensor.backward", ...
     inside_no_sync: bool = False
     pipeline: bool = False  # the model is a DeepSpeed PipelineModule
-    idle: bool = False  # no backward pass on this rank since its last step() (lesson 07)
+    idle: bool = False  # a step() that would update, with no backward() since the last update
 
 
 @dataclass(frozen=True)
@@ -318,6 +318,38 @@ ALL_RULES: list[Rule] = [
         "IndexError", "list index out of range",
         Example(config={**UNMANAGED, "zero_optimization": {"stage": 1}}, action="idle_step"),
         lambda s: _unmanaged(s) and _stage(s) == 1 and s.idle,
+    ),
+    Rule(
+        "idle_window_stage1", "step", "call", ("zero_optimization.stage=1", "step()"),
+        "managed, ZeRO stage 1, the boundary step() on a rank that ran no backward() since "
+        "the last update",
+        "DeepSpeed's ZeRO-1 computes the gradient norm from the partition the boundary "
+        "backward() averaged; a rank that ran none has no averaged gradient and raises in "
+        "step() (KeyError instead, in the very first window). Every rank must run the "
+        "window's micro-batches: give an idle rank dummy micro-batches whose loss is "
+        "multiplied by 0.",
+        "with every rank idle, an update from zero gradients (Adam's moments still move the "
+        "weights); with one rank idle, mismatched collectives.",
+        "TypeError", "'NoneType' object is not iterable",
+        Example(config={"zero_optimization": {"stage": 1}, "gradient_accumulation_steps": 1},
+                action="idle_window"),
+        lambda s: not _unmanaged(s) and _stage(s) == 1 and s.idle,
+    ),
+    Rule(
+        "idle_window_stage0_clipping", "step", "call",
+        ("zero_optimization.stage=0", "gradient_clipping>0", "step()"),
+        "managed, ZeRO stage 0, clipping on, the boundary step() on a rank that ran no "
+        "backward() since the last update",
+        "DeepSpeed clips the gradients that exist; with none it indexes an empty list. "
+        "(Without clipping the optimizer skips parameters without a gradient: no update.) "
+        "Give an idle rank dummy micro-batches whose loss is multiplied by 0.",
+        "nothing silent: refused because DeepSpeed fails here (with one rank idle, the ranks' "
+        "collectives would not match anyway).",
+        "IndexError", "list index out of range",
+        Example(config={"gradient_accumulation_steps": 1, "gradient_clipping": 1.0},
+                action="idle_step"),
+        lambda s: not _unmanaged(s) and _stage(s) == 0 and s.config.gradient_clipping > 0
+        and s.idle,
     ),
 ]  # fmt: skip
 
