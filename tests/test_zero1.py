@@ -111,6 +111,37 @@ def test_an_idle_step_is_refused_at_stage_1_only():
 
 
 @pytest.mark.usefixtures("single_process")
+def test_gradients_read_as_deepspeed_users_read_them():
+    """deepspeed.utils.safe_get_full_grad: the local .grad before the boundary, the reduced
+    gradient (fp32) between the boundary's reduction and step(), ValueError after it, as in
+    DeepSpeed 0.19.8; destroy() takes the hook off the parameters."""
+    from deepspeed.utils import safe_get_full_grad
+
+    engine, _ = _train(1, ADAM, True, 0.0, [])
+    params = list(engine.module.parameters())
+    x, y = micro_batch(0, 0, 0, 0, 2)
+    engine.backward(torch.nn.functional.mse_loss(engine(x), y))  # GAS 3: not the boundary
+    local = [p.grad.clone() for p in params]
+    assert all(torch.equal(safe_get_full_grad(p), g) for p, g in zip(params, local, strict=True))
+    for micro in (1, 2):
+        engine.step()
+        x, y = micro_batch(0, 0, micro, 0, 2)
+        engine.backward(torch.nn.functional.mse_loss(engine(x), y))  # the third reduces
+    reduced = [safe_get_full_grad(p) for p in params]
+    assert all(p.grad is None for p in params)  # only shards are left, as in DeepSpeed
+    for g, p in zip(reduced, params, strict=True):
+        assert g.dtype == torch.float32 and g.shape == p.shape
+    full = torch.cat([g.flatten() for g in reduced])  # one rank: its shard is everything
+    (group,) = engine._update.groups
+    assert torch.equal(full, group.grad_shard[: full.numel()])
+    engine.step()
+    with pytest.raises(ValueError, match="only available immediately after backward"):
+        safe_get_full_grad(params[0])
+    engine.destroy()
+    assert safe_get_full_grad(params[0]) is None and not hasattr(params[0], "_hp_mapping")
+
+
+@pytest.mark.usefixtures("single_process")
 def test_weights_are_views_of_the_flat_buffer():
     engine, _ = _train(1, ADAM, True, 1.0, [3])
     (group,) = engine._update.groups
