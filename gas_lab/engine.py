@@ -101,7 +101,8 @@ class Engine(torch.nn.Module):
             loss.backward(retain_graph=retain_graph)
         finally:
             self._inside_engine_backward = False
-        self._strategy_hook("after_backward")  # e.g. bf16 gradients added into fp32 buffers
+        # e.g. bf16 gradients added into fp32 buffers; ZeRO-2 reduces its last bucket
+        self._strategy_hook("after_backward")
         # Managed: the boundary micro-batch reduces right away (unless inside no_sync()).
         # Unmanaged, this is never the boundary (only step() is): gradients stay local.
         self._reduce_if_boundary()
@@ -130,10 +131,11 @@ class Engine(torch.nn.Module):
         self._strategy_hook("after_backward")
         self._reduce_if_boundary()
 
-    def _strategy_hook(self, name: str) -> None:
-        hook = getattr(self._update, name, None)  # only strategies that keep extra buffers
+    def _strategy_hook(self, name: str, *args) -> None:
+        # Optional: strategies with extra buffers (bf16) or that reduce in backward (ZeRO-2).
+        hook = getattr(self._update, name, None)
         if hook is not None:
-            hook()
+            hook(*args)
 
     def step(self, lr_kwargs=None):
         """Managed: update only at the boundary. Unmanaged: reduce, then update, every call.
@@ -202,10 +204,12 @@ class Engine(torch.nn.Module):
         """
         refusals.enforce(self._situation("coalesce_grad_reduction"))
         self.inside_no_sync_ctxt = True
+        self._strategy_hook("defer_reduction", True)  # ZeRO-2 would reduce inside backward()
         try:
             yield
         finally:
             self.inside_no_sync_ctxt = False
+            self._strategy_hook("defer_reduction", False)
             self._update.reduce_gradients()
 
     def _situation(self, action: str) -> Situation:
