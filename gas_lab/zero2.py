@@ -8,10 +8,10 @@ rank r, so it is reduced while ``backward()`` runs and then dropped. What happen
 1. **every backward()**, managed *and* unmanaged: as autograd finishes a parameter's gradient, a
    hook puts the parameter in a bucket; a bucket that would grow past ``reduce_bucket_size``
    elements is reduced first, and the end of ``backward()`` reduces the rest. Reducing a
-   bucket: divide by W, cut it into one slice per (parameter, owning partition), pack slices and
-   sum each pack over ranks with one all-reduce (DeepSpeed 0.19.8's choice on this path, measured
-   in lesson 09), then add the slices this rank owns into its fp32 partition of the accumulated
-   gradient. Every other gradient is freed: ``param.grad`` is None after every backward().
+   bucket: divide by W, sum it over ranks with one all-reduce (DeepSpeed 0.19.8's choice on
+   this path, measured in lesson 09; a reduce-scatter would deliver only the owned slices),
+   then add the slices this rank owns into its fp32 partition of the accumulated gradient.
+   Every other gradient is freed: ``param.grad`` is None after every backward().
 2. **the boundary** (managed: the GAS-th backward(); unmanaged: ``step()``) has nothing left to
    reduce: the accumulated partition is the averaged gradient. (Inside
    ``coalesce_grad_reduction()`` the gradients stay local, and the boundary reduces them once.)
@@ -66,8 +66,9 @@ class PartitionedGradientUpdate:
             param_group["params"] = [flat_group.master]
             self.groups.append(flat_group)
         self.optimizer = optimizer
-        # This rank's partition of the accumulated, rank-averaged gradient: all it keeps.
-        self.accumulated = [torch.zeros_like(g.master) for g in self.groups]
+        # This rank's partition of the accumulated, rank-averaged gradient: all it keeps
+        # (allocated by the first reduction after an update, freed by the update).
+        self.accumulated: list[torch.Tensor] | None = None
         # id(param) -> (group index, offset in the flat vector, [(owner, start, numel), ...])
         self._slices = {}
         for gi, g in enumerate(self.groups):
@@ -111,20 +112,20 @@ class PartitionedGradientUpdate:
         grads = torch.cat([p.grad.reshape(-1) for p in self.bucket])
         if self.average:
             grads.div_(self.world_size)  # divide first, then sum: DeepSpeed's order
-        # Slices in bucket order, (owner, position in grads, numel); neighbours with the same
-        # owner merge into one slice (it decides where a pack ends, as in DeepSpeed).
+        # Each parameter's slices, (where in grads, numel), and those this rank owns.
         slices, mine, position = [], [], 0
         for p in self.bucket:
             gi, offset, owned = self._slices[id(p)]
             for owner, start, numel in owned:
-                if slices and slices[-1][0] == owner:
-                    slices[-1][2] += numel
-                else:
-                    slices.append([owner, position + start, numel])
+                slices.append((position + start, numel))
                 if owner == self.rank:  # (group, where in grads, where in my partition, numel)
-                    mine.append((gi, position + start, offset + start - self.groups[gi].start, numel))
+                    mine.append(
+                        (gi, position + start, offset + start - self.groups[gi].start, numel)
+                    )
             position += p.numel()
         self._all_reduce_in_packs(grads, slices)
+        if self.accumulated is None:
+            self.accumulated = [torch.zeros_like(g.master) for g in self.groups]
         for gi, at, to, numel in mine:
             self.accumulated[gi][to : to + numel].add_(grads[at : at + numel])
         for p in self.bucket:
@@ -132,11 +133,16 @@ class PartitionedGradientUpdate:
         self.bucket, self.bucket_numel = [], 0
 
     def _all_reduce_in_packs(self, grads: torch.Tensor, slices: list) -> None:
-        """Sum the slices over ranks, packed: a pack closes once it exceeds the bucket size."""
+        """Sum the slices over ranks, packed: a pack closes once it exceeds the bucket size.
+
+        A bucket holds at most ``reduce_bucket_size`` elements, so it is one pack, one
+        all-reduce; only a parameter larger than that (alone in its bucket) may be cut into
+        one all-reduce per partition it spans.
+        """
         if self.group is None:
             return
         pack, size = [], 0
-        for index, (_, start, numel) in enumerate(slices):
+        for index, (start, numel) in enumerate(slices):
             pack.append((start, numel))
             size += numel
             if size > self.bucket_size or index == len(slices) - 1:
@@ -158,6 +164,8 @@ class PartitionedGradientUpdate:
 
     def update(self) -> bool:
         """Global norm, clip, step this rank's partition, all-gather the weights."""
+        if self.accumulated is None:  # no backward() since the last update: zero gradients
+            self.accumulated = [torch.zeros_like(g.master) for g in self.groups]
         norm = self._global_norm()
         self.last_norm = norm.item()
         if not torch.isfinite(norm):  # DeepSpeed's ZeRO skips an fp32 update on inf/nan too
@@ -201,7 +209,7 @@ class PartitionedGradientUpdate:
         for g in self.groups:
             g.master.grad = None
             g.clear_grads()
-        self.accumulated = [torch.zeros_like(g.master) for g in self.groups]
+        self.accumulated = None
 
     # -- checkpoints: the same per-rank shard as ZeRO-1 ------------------------------------------
     def state_dict(self) -> dict:
