@@ -6,6 +6,9 @@ such a loop should reach is :func:`gas_lab.measure.parity.reference_params`.
 
 * :func:`ddp_train`: ``torch.nn.parallel.DistributedDataParallel`` with ``no_sync()`` wrapped
   around the forward and backward, around the backward only, or not used, counted.
+* :func:`equal_n_train` (lesson 09): unmanaged accumulation where ranks have different numbers
+  of micro-batches, made safe for ZeRO-2/3: every rank runs as many ``backward()`` calls as the
+  busiest one, the extra ones with weight 0.
 """
 
 from __future__ import annotations
@@ -61,3 +64,33 @@ def ddp_train(placement: str, n: int, steps: int, lr: float = 0.1, seed: int = 0
         "calls": log.count("all_reduce"),
         "bytes": log.total_bytes(),
     }
+
+
+def equal_n_train(initialize, config: dict, steps: int, micro_batches, seed: int = 0):
+    """Unmanaged training where rank r has ``micro_batches(step, r)`` micro-batches (0: idle).
+
+    ZeRO-2/3 reduce in every ``backward()``, so every rank must call it equally often: the
+    ranks first share their counts (one small all-gather), then each runs ``max`` of them; a
+    rank's extra micro-batches repeat a real one's shape with weight 0, so they add nothing.
+    Every real micro-batch weighs ``W / total``: the ranks' average then is the mean over all
+    micro-batches of the step, what :func:`gas_lab.measure.parity.reference_params` computes.
+    Returns ``(engine, CollectiveLog of the loop)``.
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = tiny_model(seed)
+    engine = initialize(model=model, model_parameters=model.parameters(), config=config)[0]
+    size = engine.train_micro_batch_size_per_gpu()
+    with count_collectives() as log:
+        for step in range(steps):
+            n = micro_batches(step, rank)
+            counts = torch.empty(world, dtype=torch.int64)
+            dist.all_gather_into_tensor(counts, torch.tensor([n]))
+            longest, total = int(counts.max()), int(counts.sum())
+            for micro in range(longest):
+                real = micro < n
+                x, y = micro_batch(seed, step, micro if real else 0, rank, size)
+                weight = world / total if real else 0.0  # padding: a backward that adds zero
+                loss = torch.nn.functional.mse_loss(engine(x), y) * weight
+                engine.backward(loss, scale_wrt_gas=False)
+            engine.step()
+    return engine, log

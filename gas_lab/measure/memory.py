@@ -175,3 +175,24 @@ def _category(path: str) -> str:
         if any(w in path for w in words):
             return category
     return "other"
+
+
+def project_census(numel: int, world_size: int, stage: int, tensors: int = 1) -> dict[str, int]:
+    """A projection, fp32 Adam: what a rank holds at a ZeRO stage for ``numel`` weights, by
+    category, with gas_lab's layout (one padded flat vector cut into ``world_size`` shards).
+
+    Per element: weights 4 bytes (a shard of them at stage 3), the fp32 master copy 4 (a shard,
+    from stage 1), the gradient 4 (a shard from stage 2), Adam's two moments 8 (a shard from
+    stage 1); plus a 4-byte ``step`` counter per tensor the optimizer steps (``tensors``: the
+    model's tensors at stage 0, one per param group from stage 1). It reproduces gas_lab's
+    measured census exactly at stages 0-2; DeepSpeed holds more gradient at stage 2 (whole
+    gradients of the parameters that overlap a shard) and cuts each tensor apart at stage 3.
+    """
+    shard = Layout.of([numel], world_size).shard_size
+    whole = numel if stage == 0 else shard * world_size  # ZeRO pads the flat vector
+    return {
+        "weights": 4 * (shard if stage == 3 else whole),
+        "master": 0 if stage == 0 else 4 * shard,
+        "gradients": 4 * (numel if stage < 2 else shard),
+        "optimizer state": 8 * (numel if stage == 0 else shard) + 4 * tensors,
+    }
