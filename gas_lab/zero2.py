@@ -80,33 +80,35 @@ class PartitionedGradientUpdate:
         self.deferred = False  # inside coalesce_grad_reduction(): gradients stay local
         self.last_norm: float | None = None
         self._hooks = [
-            p.register_post_accumulate_grad_hook(self._gradient_ready)
+            p.register_post_accumulate_grad_hook(self.gradient_ready)
             for g in self.groups
             for p in g.params
         ]
 
     # -- every backward() ------------------------------------------------------------------------
-    def _gradient_ready(self, param) -> None:
+    def gradient_ready(self, param) -> None:
         """Autograd finished ``param.grad`` for this backward pass: bucket it."""
         if not self.deferred:
-            self._add_to_bucket(param)
+            self.add_to_bucket(param)
 
-    def _add_to_bucket(self, param) -> None:
+    def add_to_bucket(self, param) -> None:
+        """Queue ``param.grad`` for reduction; reduce the bucket first if it would overflow."""
         if self.bucket_numel + param.numel() > self.bucket_size:
-            self._reduce_bucket()  # full: reduce what is there before adding more
+            self.reduce_bucket()  # full: reduce what is there before adding more
         self.bucket.append(param)
         self.bucket_numel += param.numel()
 
     def after_backward(self) -> None:
         """The end of a backward pass: reduce what is left in the bucket."""
         if not self.deferred:
-            self._reduce_bucket()
+            self.reduce_bucket()
 
     def defer_reduction(self, deferred: bool) -> None:
         """The engine's ``coalesce_grad_reduction()``: keep gradients local while True."""
         self.deferred = deferred
 
-    def _reduce_bucket(self) -> None:
+    def reduce_bucket(self) -> None:
+        """Average the bucket's gradients over ranks, keep this rank's slices, free the rest."""
         if not self.bucket:
             return
         grads = torch.cat([p.grad.reshape(-1) for p in self.bucket])
@@ -159,14 +161,14 @@ class PartitionedGradientUpdate:
         """At the boundary: gradients kept local (coalescing) are reduced now, in model order."""
         held = [p for g in self.groups for p in g.params if p.grad is not None]
         for p in held:
-            self._add_to_bucket(p)
-        self._reduce_bucket()
+            self.add_to_bucket(p)
+        self.reduce_bucket()
 
     def update(self) -> bool:
         """Global norm, clip, step this rank's partition, all-gather the weights."""
         if self.accumulated is None:  # no backward() since the last update: zero gradients
             self.accumulated = [torch.zeros_like(g.master) for g in self.groups]
-        norm = self._global_norm()
+        norm = self.global_norm()
         self.last_norm = norm.item()
         if not torch.isfinite(norm):  # DeepSpeed's ZeRO skips an fp32 update on inf/nan too
             self._clear()
@@ -184,7 +186,7 @@ class PartitionedGradientUpdate:
                 dist.all_gather_into_tensor(g.flat, g.master.detach(), group=self.group)
         return True
 
-    def _global_norm(self) -> torch.Tensor:
+    def global_norm(self) -> torch.Tensor:
         """Per group: the squared float64 norms of this rank's pieces, summed in float32 over
         ranks (one 4-byte all-reduce per group); the groups' norms combined as a vector."""
         norms = []
