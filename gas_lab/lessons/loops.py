@@ -66,14 +66,23 @@ def ddp_train(placement: str, n: int, steps: int, lr: float = 0.1, seed: int = 0
     }
 
 
-def equal_n_train(initialize, config: dict, steps: int, micro_batches, seed: int = 0):
+def mean_weight(real: bool, n: int, total: int, world: int) -> float:
+    """The weight of a micro-batch's loss in :func:`equal_n_train`: ``W / total`` for a real
+    one (DeepSpeed then averages over the W ranks: 1 / total each), 0 for padding."""
+    return world / total if real else 0.0
+
+
+def equal_n_train(
+    initialize, config: dict, steps: int, micro_batches, seed: int = 0, weight=mean_weight
+):
     """Unmanaged training where rank r has ``micro_batches(step, r)`` micro-batches (0: idle).
 
     ZeRO-2/3 reduce in every ``backward()``, so every rank must call it equally often: the
     ranks first share their counts (one small all-gather), then each runs ``max`` of them; a
     rank's extra micro-batches repeat a real one's shape with weight 0, so they add nothing.
-    Every real micro-batch weighs ``W / total``: the ranks' average then is the mean over all
-    micro-batches of the step, what :func:`gas_lab.measure.parity.reference_params` computes.
+    ``weight`` (:func:`mean_weight`) makes every real micro-batch weigh the same: the step's
+    update is the mean over all its micro-batches, what
+    :func:`gas_lab.measure.parity.reference_params` computes.
     Returns ``(engine, CollectiveLog of the loop)``.
     """
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -87,10 +96,9 @@ def equal_n_train(initialize, config: dict, steps: int, micro_batches, seed: int
             dist.all_gather_into_tensor(counts, torch.tensor([n]))
             longest, total = int(counts.max()), int(counts.sum())
             for micro in range(longest):
-                real = micro < n
+                real = micro < n  # padding repeats a real micro-batch, weighed 0
                 x, y = micro_batch(seed, step, micro if real else 0, rank, size)
-                weight = world / total if real else 0.0  # padding: a backward that adds zero
-                loss = torch.nn.functional.mse_loss(engine(x), y) * weight
-                engine.backward(loss, scale_wrt_gas=False)
+                loss = torch.nn.functional.mse_loss(engine(x), y)
+                engine.backward(loss * weight(real, n, total, world), scale_wrt_gas=False)
             engine.step()
     return engine, log
