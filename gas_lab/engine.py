@@ -19,12 +19,13 @@ gradients and the optimizer updates the weights):
   however many micro-batches ran since the last one (that number may change every step).
 
 A direct ``loss.backward()`` is seen by a hook on the model's output, as in DeepSpeed 0.19.8:
-refused at ZeRO stage 0; at stage 1 it divides by GAS and reduces at the boundary like
+refused at ZeRO stage 0; at stages 1 and 2 it divides by GAS and reduces like
 ``engine.backward(loss)``, but only ``engine.backward()`` counts towards ``global_samples``.
 
 The "reduce, then update" part is delegated to a small strategy object
-(:mod:`gas_lab.update`), so that ZeRO-1 (:mod:`gas_lab.zero1`) replaces it without touching
-the counting logic here.
+(:mod:`gas_lab.update`), so that ZeRO-1 (:mod:`gas_lab.zero1`) and ZeRO-2
+(:mod:`gas_lab.zero2`, which reduces in every backward: the engine calls the strategy's
+optional ``after_backward()``) replace it without touching the counting logic here.
 
 Taught in lessons 03 (managed, ``tutorials/03_managed.ipynb``) and 04 (unmanaged,
 ``tutorials/04_unmanaged.ipynb``). Lesson 08 (``tutorials/08_edges.ipynb``) adds what a real

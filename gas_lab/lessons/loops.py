@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from gas_lab.lessons.toys import flat_params, micro_batch, tiny_model
 from gas_lab.measure.comm import count_collectives
+from gas_lab.measure.parity import quiet_deepspeed
 
 #: Where ``no_sync()`` goes in :func:`ddp_train`: around forward *and* backward (as torch's docs
 #: ask), around the backward only (the trap), or nowhere (plain DDP: reduce every micro-batch).
@@ -89,7 +90,7 @@ def equal_n_train(
     model = tiny_model(seed)
     engine = initialize(model=model, model_parameters=model.parameters(), config=config)[0]
     size = engine.train_micro_batch_size_per_gpu()
-    with count_collectives() as log:
+    with count_collectives() as log, quiet_deepspeed():
         for step in range(steps):
             n = micro_batches(step, rank)
             counts = torch.empty(world, dtype=torch.int64)

@@ -87,13 +87,8 @@ def train(
     size = engine.train_micro_batch_size_per_gpu()
     managed = engine.managed_gradient_accumulation()
     counters, losses = [], []
-    # the loop only: initialize's broadcasts are not counted. DeepSpeed 0.19.8's ZeRO-2/3 call
-    # torch.distributed names that torch 2.13 deprecates; that FutureWarning (with this
-    # machine's paths) is about DeepSpeed's code, not the learner's, so it is not shown.
-    with count_collectives() as log, warnings.catch_warnings():
-        warnings.filterwarnings(
-            "ignore", r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning
-        )
+    # the loop only: initialize's broadcasts are not counted.
+    with count_collectives() as log, quiet_deepspeed():
         for step in range(steps):
             n = micro_batches_in(micro_batches, step, rank, engine.gradient_accumulation_steps())
             divisor = 1.0 if loss_divisor is None else loss_divisor(n)
@@ -114,6 +109,18 @@ def train(
                     engine.step()
                 counters.append(_counters(engine))
     return engine, counters, losses, log
+
+
+@contextlib.contextmanager
+def quiet_deepspeed():
+    """DeepSpeed 0.19.8's ZeRO-2/3 call torch.distributed names that torch 2.13 deprecates; that
+    FutureWarning (with this machine's paths) is about DeepSpeed's code, not the learner's, so
+    it is not shown inside this block."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning
+        )
+        yield
 
 
 @contextlib.contextmanager
