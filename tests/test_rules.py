@@ -33,8 +33,13 @@ def in_scope(case) -> bool:
     accum = c.get("data_types", {}).get("grad_accum_dtype")
     below_model = accum not in (None, "fp32") and not (bf16 and accum == "bf16")
     stage = zero.get("stage", 0)
+    default_zero2 = (  # DeepSpeed's default reduction; any bucket size
+        zero.get("reduce_scatter", True)
+        and zero.get("contiguous_gradients", True)
+        and not zero.get("round_robin_gradients", False)
+    )
     return (
-        (stage <= 1 or (stage == 2 and not bf16 and accum in (None, "fp32")))
+        (stage <= 1 or (stage == 2 and not bf16 and accum in (None, "fp32") and default_zero2))
         and "offload_optimizer" not in zero
         and not c.get("fp16", {}).get("enabled")
         and not (zero.get("stage", 0) == 1 and below_model)  # DeepSpeed-only lower buffer
@@ -232,6 +237,7 @@ def test_gas_lab_agrees_with_deepspeed_in_scope(gas_lab_results):
     grid2 = {(c["axes"]["managed"], c["axes"]["overlap_comm"]) for c in checked
              if c["group"] == "grid" and c["axes"]["stage"] == 2}  # fmt: skip
     assert grid2 == {(True, False), (True, True), (False, False), (False, True)}
+    assert {c["axes"].get("variant") for c in checked} >= {"small_buckets"}
     # Lesson 08: bf16 at both stages, the sum, and stage 0's refusal of an fp32 buffer.
     precisions = {(c["axes"].get("precision"), c["axes"].get("stage")) for c in checked}
     assert {("bf16", 0), ("bf16", 1)} <= precisions
