@@ -212,14 +212,18 @@ def replicated_grad_norm(grads: list[torch.Tensor], group=None) -> torch.Tensor:
     return norm
 
 
-def clip_by_norm(grads: list[torch.Tensor], norm: torch.Tensor | float, max_norm: float) -> None:
+def clip_by_norm(
+    grads: list[torch.Tensor], norm: torch.Tensor | float, max_norm: float, reciprocal: bool = False
+) -> None:
     """Clipping, the one function every stage uses: scale ``grads`` in place by
     ``min(1, max_norm / (norm + 1e-6))``, where ``norm`` is the norm of the *whole* gradient
     (torch's and DeepSpeed's formula). Clipping sees the accumulated gradient, once per step.
 
     A Python float ``norm`` is DeepSpeed's bf16 stage-0 path (``FP16_UnfusedOptimizer``, lesson
     08), which computes the factor in float64 as ``1 / ((norm + 1e-6) / max_norm)``: the same
-    formula, rounded the way that path rounds it.
+    formula, rounded the way that path rounds it. ``reciprocal=True`` rounds a tensor ``norm``
+    the way DeepSpeed's ZeRO-2 optimizer does, ``1 / max(1, (norm + 1e-6) / max_norm)`` in
+    float32 (lesson 09 matches it bit for bit).
     """
     if isinstance(norm, float):
         scale = (norm + 1e-6) / max_norm
@@ -227,6 +231,9 @@ def clip_by_norm(grads: list[torch.Tensor], norm: torch.Tensor | float, max_norm
             for g in grads:
                 g.mul_(1.0 / scale)
         return
-    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    if reciprocal:
+        coef = 1.0 / torch.clamp((norm + 1e-6) / max_norm, min=1.0)
+    else:
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     for g in grads:
         g.mul_(coef.to(g.dtype))

@@ -19,12 +19,13 @@ gradients and the optimizer updates the weights):
   however many micro-batches ran since the last one (that number may change every step).
 
 A direct ``loss.backward()`` is seen by a hook on the model's output, as in DeepSpeed 0.19.8:
-refused at ZeRO stage 0; at stage 1 it divides by GAS and reduces at the boundary like
+refused at ZeRO stage 0; at stages 1 and 2 it divides by GAS and reduces like
 ``engine.backward(loss)``, but only ``engine.backward()`` counts towards ``global_samples``.
 
 The "reduce, then update" part is delegated to a small strategy object
-(:mod:`gas_lab.update`), so that ZeRO-1 (:mod:`gas_lab.zero1`) replaces it without touching
-the counting logic here.
+(:mod:`gas_lab.update`), so that ZeRO-1 (:mod:`gas_lab.zero1`) and ZeRO-2
+(:mod:`gas_lab.zero2`, which reduces in every backward: the engine calls the strategy's
+optional ``after_backward()``) replace it without touching the counting logic here.
 
 Taught in lessons 03 (managed, ``tutorials/03_managed.ipynb``) and 04 (unmanaged,
 ``tutorials/04_unmanaged.ipynb``). Lesson 08 (``tutorials/08_edges.ipynb``) adds what a real
@@ -102,7 +103,8 @@ class Engine(torch.nn.Module):
             loss.backward(retain_graph=retain_graph)
         finally:
             self._inside_engine_backward = False
-        self._strategy_hook("after_backward")  # e.g. bf16 gradients added into fp32 buffers
+        # e.g. bf16 gradients added into fp32 buffers; ZeRO-2 reduces its last bucket
+        self._strategy_hook("after_backward")
         self._window_empty = False
         # Managed: the boundary micro-batch reduces right away (unless inside no_sync()).
         # Unmanaged, this is never the boundary (only step() is): gradients stay local.
@@ -133,10 +135,11 @@ class Engine(torch.nn.Module):
         self._strategy_hook("after_backward")
         self._reduce_if_boundary()
 
-    def _strategy_hook(self, name: str) -> None:
-        hook = getattr(self._update, name, None)  # only strategies that keep extra buffers
+    def _strategy_hook(self, name: str, *args) -> None:
+        # Optional: strategies with extra buffers (bf16) or that reduce in backward (ZeRO-2).
+        hook = getattr(self._update, name, None)
         if hook is not None:
-            hook()
+            hook(*args)
 
     def step(self, lr_kwargs=None):
         """Managed: update only at the boundary. Unmanaged: reduce, then update, every call.
@@ -206,10 +209,12 @@ class Engine(torch.nn.Module):
         """
         refusals.enforce(self._situation("coalesce_grad_reduction"))
         self.inside_no_sync_ctxt = True
+        self._strategy_hook("defer_reduction", True)  # ZeRO-2 would reduce inside backward()
         try:
             yield
         finally:
             self.inside_no_sync_ctxt = False
+            self._strategy_hook("defer_reduction", False)
             self._update.reduce_gradients()
             self._window_empty = False  # reduced, even if nothing: DeepSpeed then steps
 

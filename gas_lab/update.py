@@ -7,7 +7,10 @@ gradients are reduced and the optimizer steps there. Every strategy has the same
 * stage 0, :class:`AllReduceUpdate` (below): every rank holds everything and all-reduces
   the whole gradient;
 * stage 1, :class:`gas_lab.zero1.ShardedUpdate`: each rank keeps the optimizer state of one
-  shard.
+  shard;
+* stage 2, :class:`gas_lab.zero2.PartitionedGradientUpdate`: each rank keeps the gradient of its
+  shard only, so gradients are reduced in every ``backward()`` (the engine calls the optional
+  ``after_backward()`` of a strategy at the end of each one; lesson 09).
 
 :func:`strategy_for` is the stage -> strategy choice ``gas_lab.initialize`` makes; pass
 ``initialize(..., strategy=...)`` to choose yourself (lesson 05 compares two reductions).
@@ -24,6 +27,7 @@ import torch
 from gas_lab import precision
 from gas_lab.dp import all_reduce_gradients, clip_by_norm, replicated_grad_norm
 from gas_lab.zero1 import REDUCE_MODES, ShardedUpdate
+from gas_lab.zero2 import PartitionedGradientUpdate
 
 # DeepSpeed's stage-0 bucket, in elements: a small model's gradients fit in one all-reduce.
 ALLREDUCE_BUCKET_ELEMENTS = 500_000_000
@@ -159,7 +163,8 @@ def _buckets(grads, max_elements):
 def strategy_for(stage: int, reduce: str | None = None):
     """The strategy class for a ZeRO stage: 0 -> :class:`AllReduceUpdate`, 1 ->
     :class:`~gas_lab.zero1.ShardedUpdate`, whose gradient reduction ``reduce`` picks
-    (``"all_reduce"`` or ``"reduce_scatter"``; None: DeepSpeed's choice)."""
+    (``"all_reduce"`` or ``"reduce_scatter"``; None: DeepSpeed's choice), 2 ->
+    :class:`~gas_lab.zero2.PartitionedGradientUpdate`."""
     if stage == 0:
         if reduce is not None:
             raise ValueError("reduce= chooses ZeRO-1's reduction; stage 0 always all-reduces")
@@ -170,5 +175,9 @@ def strategy_for(stage: int, reduce: str | None = None):
         if reduce not in REDUCE_MODES:
             raise ValueError(f"reduce must be one of {REDUCE_MODES}, got {reduce!r}")
         return functools.partial(ShardedUpdate, reduce=reduce)
-    # Stages 2/3 never get here: initialize refuses them as out of scope first.
+    if stage == 2:
+        if reduce is not None:
+            raise ValueError("reduce= chooses ZeRO-1's reduction; stage 2 reduces in backward()")
+        return PartitionedGradientUpdate
+    # Stage 3 never gets here: initialize refuses it as out of scope first.
     raise ValueError(f"no gas_lab strategy for ZeRO stage {stage}")

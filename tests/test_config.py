@@ -172,7 +172,11 @@ def test_overlap_comm_only_refused_unmanaged_below_stage_2():
 @pytest.mark.parametrize(
     "extra",
     [
-        dict(zero_optimization={"stage": 2}),
+        dict(zero_optimization={"stage": 2}, bf16={"enabled": True}),
+        dict(zero_optimization={"stage": 2}, communication_data_type="bf16"),
+        dict(zero_optimization={"stage": 2, "reduce_scatter": False}),
+        dict(zero_optimization={"stage": 2, "round_robin_gradients": True}),
+        dict(zero_optimization={"stage": 2, "offload_optimizer": {"device": "cpu"}}),
         dict(zero_optimization={"stage": 3}),
         dict(zero_optimization={"stage": 1, "offload_optimizer": {"device": "cpu"}}),
         dict(fp16={"enabled": True}),

@@ -47,7 +47,7 @@ def test_matrix_file_names_its_version_and_covers_the_brief():
     assert MATRIX["summary"]["cases"] == len(cases) == len({c["id"] for c in cases})
     assert MATRIX["summary"]["accepted"] == sum(c["outcome"] == "accepted" for c in cases)
     groups = {c["group"] for c in cases}
-    assert {"grid", "api", "pipeline", "deepcompile", "amp", "config", "edges"} <= groups
+    assert {"grid", "api", "pipeline", "deepcompile", "amp", "config", "edges", "zero2"} <= groups
     apis = {c["axes"].get("api") for c in cases}
     assert {"set_boundary_true", "set_boundary_false", "step_in_no_sync", "coalesce"} <= apis
     # Each of the three moments occurs, and every rejection records where it fired.

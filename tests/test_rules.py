@@ -2,8 +2,8 @@
 
 Three levels: the rules *data* predict every measured case (no engine); each rule, run on
 gas_lab's engine, fires with its message at its moment; and on 2 ranks gas_lab's engine
-accepts and rejects exactly what DeepSpeed did in gas_lab's scope (ZeRO 0/1, fp32, no
-offload/pipeline/compile), and outside it says "not in gas_lab" before DeepSpeed would fail.
+accepts and rejects exactly what DeepSpeed did in gas_lab's scope (ZeRO 0/1, ZeRO 2 in fp32,
+no offload/pipeline/compile), and outside it says "not in gas_lab" before DeepSpeed would fail.
 """
 
 from pathlib import Path
@@ -25,15 +25,21 @@ LENIENT = {"managed_string_no", "managed_typo"}  # DeepSpeed accepts; gas_lab re
 
 def in_scope(case) -> bool:
     """The brief's scope, written independently of refusals.OUT_OF_SCOPE (so it can catch it):
-    ZeRO 0/1, fp32 or bf16 (lesson 08), accumulation in the model's dtype or in fp32, no
-    offload/pipeline/compile."""
+    ZeRO 0/1, fp32 or bf16 (lesson 08), accumulation in the model's dtype or in fp32; ZeRO 2
+    in fp32 (lesson 09); no offload/pipeline/compile."""
     c, axes = case["config"], case["axes"]
     zero = c.get("zero_optimization", {})
     bf16 = c.get("bf16", {}).get("enabled", False)
     accum = c.get("data_types", {}).get("grad_accum_dtype")
     below_model = accum not in (None, "fp32") and not (bf16 and accum == "bf16")
+    stage = zero.get("stage", 0)
+    default_zero2 = (  # DeepSpeed's default reduction; any bucket size
+        zero.get("reduce_scatter", True)
+        and zero.get("contiguous_gradients", True)
+        and not zero.get("round_robin_gradients", False)
+    )
     return (
-        zero.get("stage", 0) <= 1
+        (stage <= 1 or (stage == 2 and not bf16 and accum in (None, "fp32") and default_zero2))
         and "offload_optimizer" not in zero
         and not c.get("fp16", {}).get("enabled")
         and not (zero.get("stage", 0) == 1 and below_model)  # DeepSpeed-only lower buffer
@@ -250,6 +256,13 @@ def test_gas_lab_agrees_with_deepspeed_in_scope(gas_lab_results):
     apis = {(c["axes"].get("api"), c["axes"].get("stage"), c["outcome"]) for c in checked}
     assert {("tensor_backward", 0, "rejected"), ("tensor_backward", 1, "accepted")} <= apis
     assert ("coalesce", 1, "accepted") in apis
+    # Lesson 09: ZeRO-2, managed and unmanaged, with what DeepSpeed refuses there.
+    assert {("no_sync", 2, "rejected"), ("coalesce", 2, "accepted")} <= apis
+    assert {("set_boundary_true", 2, "rejected"), ("tensor_backward", 2, "accepted")} <= apis
+    grid2 = {(c["axes"]["managed"], c["axes"]["overlap_comm"]) for c in checked
+             if c["group"] == "grid" and c["axes"]["stage"] == 2}  # fmt: skip
+    assert grid2 == {(True, False), (True, True), (False, False), (False, True)}
+    assert {c["axes"].get("variant") for c in checked} >= {"small_buckets"}
     # Lesson 08: bf16 at both stages, the sum, and stage 0's refusal of an fp32 buffer.
     precisions = {(c["axes"].get("precision"), c["axes"].get("stage")) for c in checked}
     assert {("bf16", 0), ("bf16", 1)} <= precisions

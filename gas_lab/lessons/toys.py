@@ -7,6 +7,7 @@
   :func:`sequence_batch` / :func:`spread_lengths`: lesson 01's one-device regression and
   padded-sequence tasks.
 * :class:`TinyTransformer`: the capstone's model (lesson 07).
+* :func:`wide_mlp`: a 1M-weight MLP with tiny_model's inputs and outputs (lesson 09's memory).
 * :func:`flat_params`: every parameter as one vector, to compare models and ship them.
 """
 
@@ -33,6 +34,15 @@ def tiny_model(
     if norm is not None:
         layers.append(_NORMS[norm](hidden))
     return nn.Sequential(*layers, nn.Tanh(), nn.Linear(hidden, d_out))
+
+
+def wide_mlp(seed: int = 0, width: int = 1024) -> nn.Sequential:
+    """Two hidden layers of ``width`` (1,056,770 weights at 1024): lesson 09's model for memory
+    measured at more than a toy's size. Same inputs and outputs as :func:`tiny_model`."""
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Linear(4, width), nn.Tanh(), nn.Linear(width, width), nn.Tanh(), nn.Linear(width, 2)
+    )
 
 
 def micro_batch(seed: int, step: int, micro: int, rank: int, size: int, d_in=4, d_out=2):

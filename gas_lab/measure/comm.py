@@ -15,7 +15,11 @@ outer one counts.
 Measured with DeepSpeed 0.19.8 on CPU (gloo, 2 ranks, fp32, clipping on, one bucket):
 stage 0 does 1 all_reduce of the gradients at the boundary plus 1 all_reduce of the 4-byte
 gradient norm (clipping); stage 1 does the same 2 all_reduces plus 1 all_gather_into_tensor of
-the updated parameter shards. Both broadcast every parameter once at initialize.
+the updated parameter shards. Both broadcast every parameter once at initialize. Stage 2
+all-reduces in every backward(); stage 3 also gathers weights in forward() and reduce-scatters
+in backward() (lesson 09 counts them phase by phase: :class:`Phase`).
+
+:func:`ring_bytes` turns a log into a *model* of the bytes each rank sends on a ring.
 """
 
 from __future__ import annotations
@@ -46,6 +50,13 @@ KINDS = {
     "reduce_scatter_fn": "reduce_scatter",
     "all_to_all": "all_to_all",
     "all_to_all_single": "all_to_all",
+    # older and object spellings, and barriers (ZeRO-3 synchronizes its start-up with them)
+    "_all_gather_base": "all_gather",
+    "_reduce_scatter_base": "reduce_scatter",
+    "all_gather_object": "all_gather",
+    "broadcast_object_list": "broadcast",
+    "barrier": "barrier",
+    "monitored_barrier": "barrier",
 }
 # Where callers look the functions up. deepspeed.comm re-exports deepspeed.comm.comm's
 # functions, and some DeepSpeed helpers call the inner module's names directly.
@@ -63,6 +74,7 @@ class Collective:
     function: str  # what was called, e.g. "deepspeed.comm.all_gather_into_tensor"
     bytes: int  # size of the full buffer: the largest tensor argument (a list counts summed)
     group_size: int  # ranks taking part
+    dtype: str = ""  # of the first tensor argument, e.g. "float32" ("" for a barrier)
 
 
 class CollectiveLog:
@@ -153,7 +165,11 @@ def _recording(original, qualified: str, name: str):
         depth = getattr(_depth, "n", 0)
         if depth == 0 and _active:
             call = Collective(
-                KINDS[name], qualified, _payload(args, kwargs), _size(signature, args, kwargs)
+                KINDS[name],
+                qualified,
+                _payload(args, kwargs),
+                _size(signature, args, kwargs),
+                _dtype(args, kwargs),
             )
             for log in _active:
                 log.calls.append(call)
@@ -186,3 +202,58 @@ def _size(signature, args, kwargs) -> int:
         return dist.get_world_size(group)
     except (RuntimeError, ValueError, TypeError):
         return 1
+
+
+def _dtype(args, kwargs) -> str:
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, (list, tuple)) and value:
+            value = value[0]
+        if torch.is_tensor(value):
+            return str(value.dtype).removeprefix("torch.")
+    return ""
+
+
+@dataclass
+class Phase:
+    """The collectives of one call of a training loop: ``what`` is "initialize", "forward",
+    "backward" or "step"; ``step`` the optimizer step (-1 at initialize), ``micro`` the
+    micro-batch (None for an unmanaged step())."""
+
+    what: str
+    step: int
+    micro: int | None
+    calls: list[Collective]
+
+    @property
+    def bytes(self) -> int:
+        return sum(c.bytes for c in self.calls)
+
+    def signature(self) -> list[tuple[str, int]]:
+        """(kind, bytes) of each call, in order: what two libraries must agree on."""
+        return [(c.kind, c.bytes) for c in self.calls]
+
+
+def bytes_per_step(phases: list[Phase], ring: int | None = None) -> list[int | float]:
+    """Bytes of every optimizer step's collectives (initialize left out), in step order.
+
+    ``ring=W``: the ring model of :func:`ring_bytes` instead of the buffers' bytes.
+    """
+    steps = sorted({p.step for p in phases if p.what != "initialize"})
+    out = []
+    for step in steps:
+        calls = [c for p in phases if p.step == step and p.what != "initialize" for c in p.calls]
+        out.append(sum(c.bytes for c in calls) if ring is None else ring_bytes(calls, ring))
+    return out
+
+
+# On a ring of W ranks each rank sends this many times (W-1)/W of a call's buffer.
+RING_FACTOR = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1, "broadcast": 1}
+
+
+def ring_bytes(calls, world_size: int) -> float:
+    """A model, not a measurement: bytes each rank sends for ``calls`` (a log or a list) on a
+    ring. An all-reduce is a reduce-scatter then an all-gather, 2(W-1)/W of its buffer; a
+    reduce-scatter, an all-gather or a (pipelined) broadcast (W-1)/W; a barrier nothing."""
+    calls = calls.calls if isinstance(calls, CollectiveLog) else calls
+    share = (world_size - 1) / world_size
+    return sum(RING_FACTOR.get(c.kind, 0) * share * c.bytes for c in calls)

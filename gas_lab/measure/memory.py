@@ -98,3 +98,101 @@ def _world_size(engine) -> int:
     if hasattr(engine, "dp_world_size"):  # a DeepSpeed engine
         return engine.dp_world_size
     return torch.distributed.get_world_size(engine.group) if engine.group is not None else 1
+
+
+# -- every tensor a rank holds, by what it is for (lesson 09) ------------------------------------
+CATEGORIES = ("weights", "master", "gradients", "optimizer state", "bucket", "other")
+# Attribute names -> category, first match wins (DeepSpeed 0.19.8's names and gas_lab's).
+_NAMES = (
+    ("other", ("norm",)),  # DeepSpeed keeps the last gradient norm: a scalar, not a gradient
+    ("bucket", ("ipg", "bucket")),
+    ("gradients", ("grad", "accumulated")),
+    ("master", ("fp32", "master", "single_partition")),
+    ("weights", ("bit16", "flat", "ds_tensor", "partitioned_param")),
+)
+
+
+def census(engine, depth: int = 4) -> dict[str, int]:
+    """Bytes this rank holds for training, by category (:data:`CATEGORIES`), each storage
+    counted once however many views point into it (the model's weights are views of a flat
+    buffer at ZeRO-1/2). Works on a gas_lab or a DeepSpeed engine, at any ZeRO stage.
+
+    Walks the module's parameters (their data, ZeRO-3's ``ds_tensor`` partition, ``.grad``),
+    the torch optimizer (its state; the tensors it steps when they are not the weights:
+    "master"), then the attributes of the strategy or ZeRO optimizer object (``depth`` levels),
+    classified by attribute name. "bucket" is the reduction bucket: DeepSpeed allocates
+    ``reduce_bucket_size`` elements for it (on a CPU, pages never written cost no RAM).
+    """
+    seen: set[int] = set()
+    out = dict.fromkeys(CATEGORIES, 0)
+
+    def add(category: str, t) -> None:
+        if not torch.is_tensor(t) or t.device.type == "meta":
+            return
+        storage = t.untyped_storage()
+        if storage.nbytes() == 0 or storage.data_ptr() in seen:
+            return
+        seen.add(storage.data_ptr())
+        out[category] += storage.nbytes()
+
+    for p in engine.module.parameters():
+        add("weights", getattr(p, "ds_tensor", None))  # ZeRO-3: this rank's partition
+        add("weights", p.data)
+        add("gradients", p.grad)
+    opt = torch_optimizer(engine.optimizer)
+    for state in opt.state.values():
+        for value in state.values():
+            add("optimizer state", value)
+    for group in opt.param_groups:
+        for p in group["params"]:
+            add("master", p)
+            add("gradients", p.grad)
+
+    def walk(name: str, obj, levels: int) -> None:
+        if torch.is_tensor(obj):
+            add(_category(name), obj)
+            add("gradients", obj.grad)
+        elif levels <= 0 or isinstance(obj, (torch.nn.Module, torch.optim.Optimizer)):
+            return
+        elif isinstance(obj, dict):
+            for key, value in obj.items():
+                walk(f"{name}.{key}", value, levels - 1)
+        elif isinstance(obj, (list, tuple)):
+            for value in obj:
+                walk(name, value, levels - 1)
+        elif type(obj).__module__.split(".")[0] in ("deepspeed", "gas_lab"):
+            for key, value in vars(obj).items():
+                walk(f"{name}.{key}", value, levels - 1)
+
+    holder = getattr(engine, "_update", None) or engine.optimizer  # gas_lab's strategy, or ZeRO
+    walk("", holder, depth)
+    return out
+
+
+def _category(path: str) -> str:
+    path = path.lower()
+    for category, words in _NAMES:
+        if any(w in path for w in words):
+            return category
+    return "other"
+
+
+def project_census(numel: int, world_size: int, stage: int, tensors: int = 1) -> dict[str, int]:
+    """A projection, fp32 Adam: what a rank holds at a ZeRO stage for ``numel`` weights, by
+    category, with gas_lab's layout (one padded flat vector cut into ``world_size`` shards).
+
+    Per element: weights 4 bytes (a shard of them at stage 3), the fp32 master copy 4 (a shard,
+    from stage 1), the gradient 4 (a shard from stage 2), Adam's two moments 8 (a shard from
+    stage 1); plus a 4-byte ``step`` counter per tensor the optimizer steps (``tensors``: the
+    model's tensors at stage 0, one per param group from stage 1). It reproduces gas_lab's
+    measured census exactly at stages 0-2; DeepSpeed holds more gradient at stage 2 (whole
+    gradients of the parameters that overlap a shard) and cuts each tensor apart at stage 3.
+    """
+    shard = Layout.of([numel], world_size).shard_size
+    whole = numel if stage == 0 else shard * world_size  # ZeRO pads the flat vector
+    return {
+        "weights": 4 * (shard if stage == 3 else whole),
+        "master": 0 if stage == 0 else 4 * shard,
+        "gradients": 4 * (numel if stage < 2 else shard),
+        "optimizer state": 8 * (numel if stage == 0 else shard) + 4 * tensors,
+    }

@@ -13,6 +13,7 @@ returns what each raised.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 from collections.abc import Callable, Sequence
@@ -25,7 +26,7 @@ from gas_lab import engine as gas_engine
 from gas_lab.config import load_config
 from gas_lab.dp import init_from_env
 from gas_lab.lessons.toys import flat_params, micro_batch, tiny_model
-from gas_lab.measure.comm import count_collectives
+from gas_lab.measure.comm import Phase, count_collectives
 from gas_lab.rules import refusals
 
 # A working base config for examples: tiny batches, Adam from torch (no fused-Adam JIT build).
@@ -63,6 +64,7 @@ def train(
     seed: int = 0,
     model_fn: Callable[[int], torch.nn.Module] = tiny_model,
     loss_divisor: Callable[[int], float] | None = None,
+    phases: list | None = None,
 ):
     """Train with ``initialize`` (gas_lab's or DeepSpeed's).
 
@@ -73,35 +75,63 @@ def train(
     Managed, ``step()`` follows every micro-batch; unmanaged, it follows the last one.
     ``loss_divisor(n)``, if given, is called once per step with this rank's n, before the first
     backward (it may all-reduce), and every micro-batch loss of the step is divided by it.
+    ``phases``, if a list, receives a :class:`~gas_lab.measure.comm.Phase` (the collectives)
+    for initialize and for every forward, backward and step() call, in order.
     """
     model = model_fn(seed)
-    engine, _, _, _ = initialize(model=model, model_parameters=model.parameters(), config=config)
+    with _phase(phases, "initialize", -1, None):
+        engine, _, _, _ = initialize(
+            model=model, model_parameters=model.parameters(), config=config
+        )
     rank = dist.get_rank() if dist.is_initialized() else 0
     size = engine.train_micro_batch_size_per_gpu()
     managed = engine.managed_gradient_accumulation()
     counters, losses = [], []
-    # the loop only: initialize's broadcasts are not counted. DeepSpeed 0.19.8's ZeRO-2/3 call
-    # torch.distributed names that torch 2.13 deprecates; that FutureWarning (with this
-    # machine's paths) is about DeepSpeed's code, not the learner's, so it is not shown.
-    with count_collectives() as log, warnings.catch_warnings():
-        warnings.filterwarnings(
-            "ignore", r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning
-        )
+    # the loop only: initialize's broadcasts are not counted.
+    with count_collectives() as log, quiet_deepspeed():
         for step in range(steps):
             n = micro_batches_in(micro_batches, step, rank, engine.gradient_accumulation_steps())
             divisor = 1.0 if loss_divisor is None else loss_divisor(n)
             for micro in range(n):
                 x, y = micro_batch(seed, step, micro, rank, size)
-                loss = torch.nn.functional.mse_loss(engine(x), y)
-                engine.backward(loss / divisor, scale_wrt_gas=scale_wrt_gas)
+                with _phase(phases, "forward", step, micro):
+                    out = engine(x)
+                loss = torch.nn.functional.mse_loss(out, y)
+                with _phase(phases, "backward", step, micro):
+                    engine.backward(loss / divisor, scale_wrt_gas=scale_wrt_gas)
                 losses.append(loss.item())
                 if managed:
-                    engine.step()
+                    with _phase(phases, "step", step, micro):
+                        engine.step()
                     counters.append(_counters(engine))
             if not managed:
-                engine.step()
+                with _phase(phases, "step", step, None):
+                    engine.step()
                 counters.append(_counters(engine))
     return engine, counters, losses, log
+
+
+@contextlib.contextmanager
+def quiet_deepspeed():
+    """DeepSpeed 0.19.8's ZeRO-2/3 call torch.distributed names that torch 2.13 deprecates; that
+    FutureWarning (with this machine's paths) is about DeepSpeed's code, not the learner's, so
+    it is not shown inside this block."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning
+        )
+        yield
+
+
+@contextlib.contextmanager
+def _phase(phases: list | None, what: str, step: int, micro: int | None):
+    """Record the block's collectives as one Phase in ``phases`` (nothing when None)."""
+    if phases is None:
+        yield
+        return
+    with count_collectives() as log:
+        yield
+    phases.append(Phase(what, step, micro, log.calls))
 
 
 def micro_batches_in(micro_batches, step: int, rank: int, default: int) -> int:

@@ -49,7 +49,7 @@ NOTES = [  # choices made when measuring, written into the file
     "DeepCompile: engine.compile() is never called, so accepted cases run without it active.",
     "Pipelines: PipelineModule(num_stages=1) on 2 ranks (2-way data parallel), train_batch().",
     "Uneven numbers of backward() calls across ranks are not in the matrix: at ZeRO-2/3 they "
-    "hang or kill a rank (lesson 06 shows it with a timeout).",
+    "hang or kill a rank (lessons 06 and 09 show it with a timeout; tests/test_stages.py).",
 ]
 
 
@@ -128,7 +128,18 @@ def cases() -> list[dict]:
             extra["bf16"] = {"enabled": True}
         out.append(_case("edges", _config(stage, managed, **extra), TRAIN[managed], stage=stage,
                          managed=managed, bf16=bf16, grad_accum_dtype=accum))  # fmt: skip
-    # 5. Config checks that have nothing to do with the boundary, and DeepSpeed's leniency.
+    # 5. Lesson 09: ZeRO-2's reduction variants, managed and unmanaged (gas_lab implements the
+    # default reduction, with any bucket size, and leaves the others to DeepSpeed).
+    variants = {
+        "small_buckets": {"reduce_bucket_size": 20},
+        "reduce_scatter_false": {"reduce_scatter": False},
+        "contiguous_gradients_false": {"contiguous_gradients": False},
+        "round_robin_gradients": {"round_robin_gradients": True},
+    }
+    for (variant, zero), managed in itertools.product(variants.items(), (True, False)):
+        out.append(_case("zero2", _config(2, managed, zero=zero), TRAIN[managed], stage=2,
+                         managed=managed, variant=variant))  # fmt: skip
+    # 6. Config checks that have nothing to do with the boundary, and DeepSpeed's leniency.
     sgd = {"type": "SGD", "params": {"lr": 0.1}}
     for stage in (0, 1):
         out.append(_case("config", _config(stage, optimizer=sgd), TRAIN[True], stage=stage,

@@ -10,7 +10,7 @@ raises, measured by ``tools/measure_matrix.py`` into ``data/deepspeed_0.19.8_mat
 
 * :data:`RULES`: the refusals gas_lab enforces itself, at the same moment as DeepSpeed
   (``config.py`` and ``engine.py`` call :func:`enforce`).
-* :data:`DEEPSPEED_ONLY`: refusals DeepSpeed makes where gas_lab stops earlier (ZeRO-2/3, fp16
+* :data:`DEEPSPEED_ONLY`: refusals DeepSpeed makes where gas_lab stops earlier (ZeRO-3, fp16
   are out of scope); kept for the table and for ``gas_lab.rules.prediction.predict``.
 * :data:`OUT_OF_SCOPE`: what DeepSpeed accepts but gas_lab does not teach: those raise
   :class:`NotImplementedInGasLab`, which points you to ``deepspeed.initialize``.
@@ -79,6 +79,14 @@ def _unmanaged(s: Situation) -> bool:
 
 def _stage(s: Situation) -> int:
     return s.config.zero_optimization.stage
+
+
+def _fp32_throughout(s: Situation) -> bool:
+    """fp32 weights, fp32 accumulation, fp32 communication."""
+    dtypes = (s.config.model_dtype, s.config.grad_accum_dtype)
+    return all(str(d) == "torch.float32" for d in dtypes) and (
+        s.config.communication_data_type in (None, "fp32")
+    )
 
 
 UNMANAGED = {"managed_gradient_accumulation": False}
@@ -268,7 +276,6 @@ ALL_RULES: list[Rule] = [
         "AssertionError", "no_sync context manager is incompatible with gradient partitioning",
         Example(config={"zero_optimization": {"stage": 2}}, action="no_sync_twice"),
         lambda s: _stage(s) >= 2,
-        gas_lab="refused earlier, at initialize: ZeRO-2/3 are out of scope",
     ),
     Rule(
         "no_sync_twice", "no_sync", "context", ("no_sync()", "no_sync()"),
@@ -370,9 +377,30 @@ class OutOfScope:
 
 OUT_OF_SCOPE: list[OutOfScope] = [
     OutOfScope(
-        "zero_stage_2_3", "initialize", "zero_optimization.stage 2 or 3",
-        "ZeRO-2/3 partition gradients/parameters; use deepspeed.initialize for them.",
-        lambda s: _stage(s) >= 2,
+        "zero_stage_3", "initialize", "zero_optimization.stage 3",
+        "ZeRO-3 partitions the parameters too (lesson 09 observes it on DeepSpeed); use "
+        "deepspeed.initialize for it.",
+        lambda s: _stage(s) >= 3,
+    ),
+    OutOfScope(
+        "zero_stage_2_precision", "initialize",
+        "ZeRO stage 2 with bf16 weights, or gradients accumulated or communicated below fp32",
+        "gas_lab's ZeRO-2 (lesson 09) is fp32 from end to end; use deepspeed.initialize for "
+        "mixed precision at stage 2.",
+        lambda s: _stage(s) == 2 and not _fp32_throughout(s),
+    ),
+    OutOfScope(
+        "zero_stage_2_variants", "initialize",
+        "ZeRO stage 2 with contiguous_gradients or reduce_scatter or allgather_partitions false, "
+        "or round_robin_gradients true",
+        "gas_lab's ZeRO-2 (lesson 09) is DeepSpeed's default reduction (one bucket, all-reduce "
+        "of packed slices, one all-gather); use deepspeed.initialize for its variants.",
+        lambda s: _stage(s) == 2 and (
+            not s.config.zero_optimization.contiguous_gradients
+            or not s.config.zero_optimization.reduce_scatter
+            or not s.config.zero_optimization.allgather_partitions
+            or s.config.zero_optimization.round_robin_gradients
+        ),
     ),
     OutOfScope(
         "offload", "initialize", "zero_optimization.offload_optimizer / offload_param",

@@ -1,0 +1,250 @@
+"""Checkers for lesson 09's exercises (beyond ZeRO-1).
+
+1. :func:`check_traffic_predictions`: predict the collectives of one steady optimizer step for
+   runs the lesson did not measure: a bucket smaller than the gradient, ZeRO-3 with every weight
+   partitioned and managed accumulation, no clipping at stage 2, padding. Measured on the ranks.
+2. :func:`check_sum_weight`: the loss weight of :func:`gas_lab.lessons.loops.equal_n_train`
+   under ``"gradient_allreduce_op": "sum"``; trains gas_lab's ZeRO-2 on the ranks with it.
+3. :func:`check_lowest_stage`: the lowest ZeRO stage whose projected memory fits a budget.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from gas_lab.lessons.exercises.on_ranks import measured_once, run_on_ranks
+from gas_lab.lessons.exercises.verdict import Verdict, answer_for, check_cases
+from gas_lab.lessons.toys import tiny_model
+from gas_lab.measure.memory import project_census
+from gas_lab.zero1 import Layout
+
+
+# ---------------------------------------------------------------- exercise 1: predict the traffic
+@dataclass(frozen=True)
+class Traffic:
+    """One steady optimizer step whose collectives the learner predicts."""
+
+    library: str
+    stage: int
+    managed: bool
+    micro_batches: int  # N unmanaged, GAS managed
+    zero: dict = field(default_factory=dict, hash=False)  # more zero_optimization keys
+    clipping: float = 1.0
+    hidden: int = 8  # tiny_model's hidden width: 8 gives the lesson's 58 weights
+
+    @property
+    def numel(self) -> int:
+        return sum(p.numel() for p in tiny_model(0, hidden=self.hidden).parameters())
+
+    def config(self) -> dict:
+        from gas_lab.measure.stages import config
+
+        return config(self.stage, self.managed, gas=self.micro_batches,
+                      zero_optimization=dict(self.zero), gradient_clipping=self.clipping)  # fmt: skip
+
+    def show(self) -> str:
+        mode = "managed, GAS" if self.managed else "unmanaged, N ="
+        extra = "".join(f", {k} {v}" for k, v in self.zero.items())
+        return (
+            f"{self.library}, ZeRO stage {self.stage}{extra}, {mode} {self.micro_batches}, "
+            f"gradient_clipping {self.clipping}, a model of {self.numel} weights"
+        )
+
+
+TRAFFIC = {
+    "A": Traffic("gas_lab", 2, False, 3, {"reduce_bucket_size": 40}),
+    "B": Traffic("deepspeed", 3, True, 2, {"stage3_param_persistence_threshold": 0}),
+    "C": Traffic("deepspeed", 2, False, 2, clipping=0.0, hidden=5),
+    "D": Traffic("deepspeed", 3, False, 3),
+}
+
+
+def _measure_traffic(t: Traffic) -> dict[str, tuple[int, int]]:
+    """On a rank: {kind: (calls, bytes)} of the first step after the warm-up."""
+    from gas_lab.measure.stages import WARMUP, traffic
+
+    model_fn = functools.partial(tiny_model, hidden=t.hidden)
+    ns = None if t.managed else [t.micro_batches]
+    phases = traffic(t.library, t.config(), ns, model_fn=model_fn)["phases"]
+    out: dict[str, tuple[int, int]] = {}
+    for call in (c for p in phases if p.step == WARMUP for c in p.calls):
+        calls, nbytes = out.get(call.kind, (0, 0))
+        out[call.kind] = (calls + 1, nbytes + call.bytes)
+    return out
+
+
+def measured_traffic(letter: str, cluster) -> dict[str, tuple[int, int]]:
+    return measured_once(
+        ("lesson09 traffic", letter, cluster.world_size),
+        lambda: cluster.run(_measure_traffic, TRAFFIC[letter], timeout=300)[0],
+    )
+
+
+def _traffic_judge(t: Traffic, world: int, got, want) -> str | None:
+    if not isinstance(got, dict):
+        return f"answer a dict {{kind: (calls, bytes)}}, got {got!r}."
+    got = {k: tuple(int(v) for v in cb) for k, cb in got.items() if tuple(cb) != (0, 0)}
+    if got == want:
+        return None
+    said = f"you said {got}, measured {want}"
+    grad = 4 * t.numel
+    reduce = got.get("all_reduce", (0, 0))
+    if t.stage == 3 and reduce[1] == want.get("all_reduce", (0, 0))[1] - 4:
+        return f"{said}: ZeRO-3 all-reduces the gradient norm in float64: 8 bytes, not 4."
+    if t.stage == 2 and t.clipping == 0.0 and reduce == (t.micro_batches, t.micro_batches * grad):
+        return f"{said}: stage 2 all-reduces the norm even with gradient_clipping 0."
+    if "reduce_bucket_size" in t.zero and reduce[0] == t.micro_batches + 1:
+        return (
+            f"{said}: a bucket of {t.zero['reduce_bucket_size']} elements holds less than the "
+            f"{t.numel}-element gradient; it is reduced whenever the next tensor would overflow "
+            "it, so each backward() needs more than one all-reduce (count them, tensor by "
+            "tensor, in the order autograd finishes them: last layer first)."
+        )
+    padded = 4 * Layout.of([t.numel], world).padded_numel
+    if t.stage < 3 and got.get("all_gather", (0, 0))[1] == grad and padded != grad:
+        return f"{said}: ZeRO-2 all-gathers the PADDED vector ({padded} bytes)."
+    if t.stage == 3 and t.zero.get("stage3_param_persistence_threshold") == 0:
+        if got.get("all_gather", (0, 0))[0] != want.get("all_gather", (0, 0))[0]:
+            return f"{said}: with the threshold at 0 every forward gathers the weights."
+    if t.stage == 3 and got.get("all_gather", (0, 0))[0] == 1:
+        return f"{said}: the weights kept whole are all-gathered one tensor at a time."
+    return f"{said}."
+
+
+def check_traffic_predictions(fn: Callable[[], dict], cluster) -> Verdict:
+    """Exercise 1: ``fn()`` -> ``{"A": {"all_reduce": (calls, bytes), ...}, ...}`` for each run
+    of :data:`TRAFFIC`: one steady optimizer step, on one rank."""
+
+    def case(letter):
+        t = TRAFFIC[letter]
+
+        def run():
+            got = answer_for(fn, letter, "{'A': {'all_reduce': (1, 232)}, ...}")
+            return got, measured_traffic(letter, cluster)
+
+        return (f"run {letter}", run, lambda r: _traffic_judge(t, cluster.world_size, *r))
+
+    return check_cases(
+        "predict the traffic",
+        [case(letter) for letter in TRAFFIC],
+        "section 6's lines: a fixed part per step (the norm, the all-gathers) plus the "
+        "gradient once per backward() at stages 2/3; then what each run changes.",
+    )
+
+
+# ---------------------------------------------------------------- exercise 2: the sum's weight
+SUM_CASES = {
+    "ranks with 2 and 1, then 1 and 3 micro-batches": lambda step, rank: [(2, 1), (1, 3)][step][
+        rank
+    ],
+    "an idle rank": lambda step, rank: [(2, 0), (3, 3)][step][rank],
+}
+
+
+def _train_with_weight(case: str, weight: Callable) -> tuple:
+    """On a rank: gas_lab's ZeRO-2 with the sum reduction and ``weight``; its parameters and
+    those of the single-process reference (the mean over every real micro-batch)."""
+    from gas_lab.engine import initialize
+    from gas_lab.lessons.loops import equal_n_train
+    from gas_lab.lessons.toys import flat_params
+    from gas_lab.measure.parity import reference_params
+    from gas_lab.measure.stages import config
+
+    micro_batches = SUM_CASES[case]
+    # SGD: Adam would hide a gradient W times too large (its update barely depends on scale)
+    sgd = {"type": "SGD", "params": {"lr": 0.1}}
+    cfg = config(2, managed=False, gradient_allreduce_op="sum", gradient_clipping=0.0,
+                 optimizer=sgd, zero_allow_untested_optimizer=True)  # fmt: skip
+    engine, _ = equal_n_train(initialize, cfg, 2, micro_batches, weight=weight)
+    return flat_params(engine.module), reference_params(cfg, 2, micro_batches)
+
+
+def _sum_judge(fn: Callable, result) -> str | None:
+    params, reference = result
+    err = (params - reference).abs().max().item()
+    if err <= 1e-6:
+        return None
+    said = f"max |your parameters - the reference| = {err:.2g}"
+    world, total, n = 2, 4, 1
+    if fn(False, n, total, world) != 0:
+        return f"{said}: a padding micro-batch must add nothing: weigh it 0."
+    real = fn(True, n, total, world)
+    if abs(real - world / total) < 1e-12:
+        return f"{said}: W / total is the mean's weight; a sum does not divide by W."
+    if abs(real - 1 / n) < 1e-12 or abs(real - 1 / (n * world)) < 1e-12:
+        return f"{said}: dividing by this rank's n weighs a rank's micro-batches by its own count."
+    return f"{said}: every real micro-batch of the step should weigh the same."
+
+
+def check_sum_weight(fn: Callable, cluster) -> Verdict:
+    """Exercise 2: ``fn(real, n, total, world)`` -> the loss weight under the sum reduction."""
+
+    def case(name):
+        def run():
+            fn(True, 1, 2, 2)  # an untouched TODO says so before the ranks are used
+            per_rank = run_on_ranks(cluster, _on_rank_sum, fn, name, timeout=120)
+            return per_rank[0]
+
+        return (name, run, functools.partial(_sum_judge, fn))
+
+    return check_cases(
+        "the padding loop with a sum",
+        [case(name) for name in SUM_CASES],
+        "with the sum, the ranks' gradients add up: the step's update is the sum over every "
+        "rank's micro-batches of weight x gradient. Make that the mean over all real ones.",
+    )
+
+
+def _on_rank_sum(fn, name):
+    return _train_with_weight(name, fn)
+
+
+# ---------------------------------------------------------------- exercise 3: the lowest stage
+def lowest_stage(numel: int, world: int, budget: float):
+    for stage in range(4):
+        if sum(project_census(numel, world, stage).values()) <= budget:
+            return stage
+    return None
+
+
+STAGE_CASES = [
+    (7 * 10**9, 8, 80e9),
+    (7 * 10**9, 64, 80e9),
+    (10**9, 8, 24e9),
+    (10**9, 64, 6e9),
+    (70 * 10**9, 64, 80e9),
+    (70 * 10**9, 8, 80e9),
+    (10**9, 2, sum(project_census(10**9, 2, 1).values())),  # exactly stage 1's bytes
+]
+
+
+def _stage_judge(case, got) -> str | None:
+    numel, world, budget = case
+    want = lowest_stage(numel, world, budget)
+    if got == want:
+        return None
+    said = f"you said {got!r}, the projection says {want!r}"
+    need = {s: sum(project_census(numel, world, s).values()) for s in range(4)}
+    if isinstance(got, int) and want is not None and got > want:
+        if got == want + 1 and need[want] == budget:
+            return f"{said}: a budget equal to a stage's bytes fits it (<=)."
+        return f"{said}: the LOWEST stage that fits (less traffic); a higher one also fits."
+    return f"{said}: bytes per rank by stage {need}, budget {budget:.3g}."
+
+
+def check_lowest_stage(fn: Callable) -> Verdict:
+    """Exercise 3: ``fn(numel, world, budget)`` -> 0, 1, 2, 3 or None."""
+
+    def case(c):
+        numel, world, budget = c
+        name = f"{numel:.0e} weights, {world} ranks, {budget:.3g} bytes"
+        return (name, lambda: fn(numel, world, budget), functools.partial(_stage_judge, c))
+
+    return check_cases(
+        "the lowest stage that fits",
+        [case(c) for c in STAGE_CASES],
+        "sum(project_census(numel, world, stage).values()) is a rank's bytes at a stage; "
+        "try stages from 0 up.",
+    )
