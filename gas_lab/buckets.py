@@ -23,7 +23,9 @@ power of two).
   DeepSpeed's stage 1 never issues a reduce-scatter; ``gas_lab.zero1``'s ``"reduce_scatter"``
   reduction is the textbook variant lesson 05 compares with.
 
-``stage1_calls`` returns the plan as data (:class:`Call`), so a lesson can print it.
+``stage1_calls`` returns the plan as data (:class:`Call`), so a lesson can print it. With
+``round_robin_gradients`` the parameters are laid into the flat vector in DeepSpeed's
+round-robin order (:func:`round_robin`), which changes who owns which element, not the numbers.
 """
 
 from __future__ import annotations
@@ -79,24 +81,25 @@ def _buckets(params: list[tuple[int, int, int]], size: int) -> list[list[tuple[i
     return out + ([bucket] if bucket else [])
 
 
-def _chunks(pieces: list[Piece], size: int) -> list[tuple[Piece, ...]]:
-    """Pieces grouped until their total exceeds ``size`` (that piece included)."""
+def _chunks(slices: list[list[Piece]], size: int) -> list[tuple[Piece, ...]]:
+    """Slices grouped until their total exceeds ``size`` (that slice included)."""
     out, chunk, numel = [], [], 0
-    for piece in pieces:
-        chunk.append(piece)
-        numel += piece.numel
+    for pieces in slices:
+        chunk += pieces
+        numel += sum(p.numel for p in pieces)
         if numel > size:
             out.append(tuple(chunk))
             chunk, numel = [], 0
     return out + ([tuple(chunk)] if chunk else [])
 
 
-def stage1_calls(layouts, zero, average: bool = True) -> list[Call]:
-    """The collectives DeepSpeed's stage 1 issues for param groups cut as ``layouts``
-    (:class:`gas_lab.zero1.Layout`, one per group), under ``zero`` (the config's
-    ``zero_optimization``). The bucket spans param groups, as DeepSpeed's does."""
-    params = [(g, off, off + n) for g, lay in enumerate(layouts)
-              for off, n in zip(lay.offsets, lay.numels, strict=True) if n > 0]  # fmt: skip
+def stage1_calls(groups, zero, average: bool = True) -> list[Call]:
+    """The collectives DeepSpeed's stage 1 issues under ``zero`` (the config's
+    ``zero_optimization``). ``groups``: per param group, ``(walk, shard_size)``, where ``walk``
+    lists each parameter's ``(offset, numel)`` in the flat vector, in parameter order (the
+    order backward's gradients are bucketed in). The bucket spans param groups, as DeepSpeed's
+    does."""
+    params = [(g, off, off + n) for g, (walk, _) in enumerate(groups) for off, n in walk if n]
     calls: list[Call] = []
     size = zero.reduce_bucket_size
     for bucket in _buckets(params, size):
@@ -107,25 +110,31 @@ def stage1_calls(layouts, zero, average: bool = True) -> list[Call]:
         if not zero.reduce_scatter:
             calls.append(Call("all_reduce", whole, scaling="predivide"))
             continue
-        pieces: list[Piece] = []
+        # Slices of one owner, consecutive in the bucket, travel as one (DeepSpeed merges them).
+        slices: list[list[Piece]] = []
         for g, start, end in bucket:
-            shard = layouts[g].shard_size
+            shard = groups[g][1]
             while start < end:
                 owner, cut = start // shard, min(end, (start // shard + 1) * shard)
-                last = pieces[-1] if pieces else None
-                if last and last.owner == owner and last.group == g and last.end == start:
-                    pieces[-1] = Piece(g, last.start, cut, owner)  # DeepSpeed merges these
+                if slices and slices[-1][-1].owner == owner:
+                    slices[-1].append(Piece(g, start, cut, owner))
                 else:
-                    pieces.append(Piece(g, start, cut, owner))
+                    slices.append([Piece(g, start, cut, owner)])
                 start = cut
         scaling = "divide_first" if average else "none"
         if zero.use_multi_rank_bucket_allreduce:
-            calls += [Call("all_reduce", c, scaling=scaling) for c in _chunks(pieces, size)]
+            calls += [Call("all_reduce", c, scaling=scaling) for c in _chunks(slices, size)]
             continue
-        for dst in dict.fromkeys(p.owner for p in pieces):  # owners in order of appearance
-            mine = [p for p in pieces if p.owner == dst]
+        for dst in dict.fromkeys(s[0].owner for s in slices):  # owners in order of appearance
+            mine = [s for s in slices if s[0].owner == dst]
             calls += [Call("reduce", c, dst, scaling) for c in _chunks(mine, size)]
     return calls
+
+
+def round_robin(numels: list[int], world_size: int) -> list[int]:
+    """DeepSpeed's ``round_robin_gradients`` order of a group's parameters in the flat vector:
+    parameter i goes to list i mod W, and the lists are laid end to end."""
+    return [i for r in range(world_size) for i in range(r, len(numels), world_size)]
 
 
 def scale_steps(scaling: str, world_size: int, average: bool, prescale: bool,

@@ -80,8 +80,8 @@ class ZeroConfig(_Section):
     # (one all-gather per param group); still checked as DeepSpeed does (even at stage 1).
     allgather_bucket_size: Elements = Field(500_000_000, ge=0)
     allgather_partitions: bool = True  # accepted and ignored: DeepSpeed reads it nowhere
-    # Accepted and ignored: DeepSpeed reorders which rank owns which parameter (stage 2's load
-    # balance); the numbers and the default collectives are the same, gas_lab keeps the order.
+    # Stage 1: the order of each group's parameters in the flat vector (which rank owns what),
+    # as DeepSpeed lays them out; the numbers are the same either way.
     round_robin_gradients: bool = False
     offload_optimizer: deepspeed_keys.OffloadOptimizerSection | None = None  # device: refused
     offload_param: deepspeed_keys.OffloadParamSection | None = None  # device: refused

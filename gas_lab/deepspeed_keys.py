@@ -95,7 +95,7 @@ class Fp16Section(_Strict):
 
     enabled: bool = False
     auto_cast: bool = False
-    loss_scale: float = 0
+    loss_scale: float = Field(0, ge=0, allow_inf_nan=False)  # DeepSpeed checks these two
     initial_scale_power: int = 16
     loss_scale_window: int = 1000
     hysteresis: int = 2

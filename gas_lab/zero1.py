@@ -98,17 +98,25 @@ class _FlatGroup:
     """One optimizer param group, flattened: the model's weights become views into ``flat``;
     ``master`` is this rank's shard, the only tensor the optimizer sees."""
 
-    def __init__(self, params: list[torch.nn.Parameter], world_size: int, rank: int):
+    def __init__(self, params: list[torch.nn.Parameter], world_size: int, rank: int,
+                 round_robin: bool = False):  # fmt: skip
         dtypes = {p.dtype for p in params}
         if len(dtypes) > 1:
             raise TypeError(f"one param group, one dtype; got {sorted(map(str, dtypes))}")
-        self.params = params
-        self.layout = Layout.of([p.numel() for p in params], world_size)
+        order = list(range(len(params)))
+        if round_robin:  # DeepSpeed's round_robin_gradients: another order in the flat vector
+            order = buckets.round_robin([p.numel() for p in params], world_size)
+        self.params = [params[i] for i in order]
+        self.layout = Layout.of([p.numel() for p in self.params], world_size)
+        # (offset, numel) of each parameter in the flat vector, in the group's own order: the
+        # order gradients are bucketed in (gas_lab.buckets).
+        offsets = dict(zip(order, self.layout.offsets, strict=True))
+        self.walk = [(offsets[i], params[i].numel()) for i in range(len(params))]
         self.start, self.end = self.layout.shard(rank)
         self.flat = torch.zeros(
             self.layout.padded_numel, dtype=params[0].dtype, device=params[0].device
         )
-        for p, offset in zip(params, self.layout.offsets, strict=True):
+        for p, offset in zip(self.params, self.layout.offsets, strict=True):
             view = self.flat[offset : offset + p.numel()]
             view.copy_(p.detach().reshape(-1))
             p.data = view.view_as(p)  # the weights now live inside flat: no copy after gather
@@ -162,7 +170,8 @@ class ShardedUpdate:
             if not mine:
                 param_group["params"] = []
                 continue
-            flat_group = _FlatGroup(mine, self.world_size, self.rank)
+            flat_group = _FlatGroup(mine, self.world_size, self.rank,
+                                    config.zero_optimization.round_robin_gradients)  # fmt: skip
             param_group["params"] = [flat_group.master]
             self.groups.append(flat_group)
         self.optimizer = optimizer
@@ -224,7 +233,8 @@ class ShardedUpdate:
             buckets.engine_all_reduce([t[: g.layout.numel] for g, t in
                                        zip(self.groups, locals_, strict=True)], self.group, cfg, comm)  # fmt: skip
             return
-        calls = buckets.stage1_calls([g.layout for g in self.groups], cfg.zero_optimization)
+        groups = [(g.walk, g.layout.shard_size) for g in self.groups]
+        calls = buckets.stage1_calls(groups, cfg.zero_optimization)
         for call in calls:
             steps = buckets.scale_steps(call.scaling, self.world_size, self.average,
                                         cfg.prescale_gradients, cfg.gradient_predivide_factor)  # fmt: skip
