@@ -112,7 +112,8 @@ class GasConfig(_Section):
     fp16: deepspeed_keys.Fp16Section = Field(default_factory=deepspeed_keys.Fp16Section)
     compile: deepspeed_keys.CompileSection = Field(default_factory=deepspeed_keys.CompileSection)
     amp: dict | None = None  # present only so gas_lab/rules/refusals.py can say why it is refused
-    pipeline: dict | None = None  # DeepSpeed's pipeline section; used only with PipelineModule
+    # Accepted and ignored, as DeepSpeed ignores it without a PipelineModule (refused: rules).
+    pipeline: dict | None = None
     steps_per_print: int | None = None  # accepted and ignored (DeepSpeed's logging); 0 refused
     wall_clock_breakdown: bool = False  # accepted and ignored: DeepSpeed's timers
     world_size: int = Field(1, exclude=True)  # not a DeepSpeed key: filled in by load_config

@@ -3,15 +3,14 @@
 ``"optimizer": {"type": ..., "params": {...}}`` takes one of three paths in DeepSpeed, and the
 defaults of what you leave out depend on the path (``table()`` prints this):
 
-=====================  ==========================  ==========================================
-type                   DeepSpeed builds            defaults of what the params leave out
-=====================  ==========================  ==========================================
-Adam / AdamW, no       ``FusedAdam`` (a C++ op,    lr 1e-3, betas (0.9, 0.999), eps 1e-8,
-``torch_adam``         JIT-built on first use)     **weight_decay 0.0**, bias correction on
-Adam / AdamW,          ``torch.optim.AdamW`` or    torch's: AdamW **weight_decay 0.01**,
-``torch_adam`` true    ``torch.optim.Adam``        Adam 0
-SGD                    ``torch.optim.SGD``         torch's (lr 1e-3, momentum 0)
-=====================  ==========================  ==========================================
+===========================  =================================  ======================================
+type and ``torch_adam``      DeepSpeed builds                   defaults for what params leave out
+===========================  =================================  ======================================
+Adam/AdamW, no torch_adam    ``FusedAdam`` (its C++ op,         lr 1e-3, betas (0.9, 0.999), eps 1e-8,
+                             JIT-built once per machine)        **weight_decay 0.0**
+Adam/AdamW, torch_adam true  ``torch.optim.AdamW`` or ``Adam``  torch's: AdamW **weight_decay 0.01**
+SGD                          ``torch.optim.SGD``                torch's (lr 1e-3, momentum 0)
+===========================  =================================  ======================================
 
 The math is AdamW (decoupled weight decay) when the type is AdamW or ``adam_w_mode`` is true
 (its default); type Adam with ``adam_w_mode`` false, ``0`` or ``null`` is Adam with an L2
@@ -20,7 +19,8 @@ gas_lab accepts true, false, 0, 1 and null for them and refuses strings (``"no"`
 Type names: DeepSpeed lower-cases its own ("ADAM" is adam) and looks any other name up in
 ``torch.optim`` as written, so "SGD" works and "sgd" is refused (AssertionError).
 
-Taught with the config in lesson 03; lesson 08's whole-config tour points here.
+Read by :mod:`gas_lab.config` (lesson 03); ``tests/test_config.py`` holds every row against
+DeepSpeed's own construction.
 """
 
 from __future__ import annotations

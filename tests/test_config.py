@@ -252,8 +252,8 @@ def test_deepspeed_keys_written_loosely_still_load():
 
 
 # -- DeepSpeed's keys: read, accepted and ignored, not supported, or removed --------------------
-# Top-level keys deepspeed.initialize + one step read at ZeRO 0 and 1 (traced on 0.19.8:
-# /work/research/config_truth/trace_keys.out).
+# Top-level keys deepspeed.initialize + one step read at ZeRO 0 and 1 (traced on 0.19.8 by
+# wrapping the config dict's lookups; other engines, e.g. pipeline or inference, read more).
 DEEPSPEED_TOP_LEVEL = """activation_checkpointing aio amp autotuning bf16 bfloat16 checkpoint comet
     comms_logger communication_data_type compile compression_training csv_monitor
     curriculum_learning data_efficiency data_types dataloader_drop_last datastates_ckpt
