@@ -1,9 +1,12 @@
 """A DeepSpeed-style config dict, checked and completed.
 
 gas_lab reads the same JSON-like dict as ``deepspeed.initialize(config=...)``, with the same
-defaults as DeepSpeed 0.19.8, and is stricter in two ways on purpose: an unknown key or a value
-of the wrong type is an error naming the key (DeepSpeed silently ignores unknown top-level keys,
-and ``"managed_gradient_accumulation": "no"`` is truthy, i.e. *managed*).
+defaults as DeepSpeed 0.19.8 (the optimizer's differ per path: :mod:`gas_lab.optimizers`), and
+is stricter on purpose: an unknown key or a value of the wrong type is an error naming the key
+(DeepSpeed silently ignores unknown top-level keys, and ``"managed_gradient_accumulation":
+"no"`` is truthy, i.e. *managed*); a DeepSpeed key the course does not implement is refused as
+not supported (:mod:`gas_lab.deepspeed_keys`); a key gas_lab accepts is read, or says at its
+field that DeepSpeed ignores it too. So a config gas_lab accepts trains to DeepSpeed's numbers.
 
 The batch invariant, as DeepSpeed states it::
 
@@ -17,12 +20,13 @@ Taught alongside the engine in lesson 03; lesson 06 explains the refusals it app
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
 
-from gas_lab import precision, schedules
+from gas_lab import deepspeed_keys, optimizers, precision, schedules
 from gas_lab.errors import ConfigError, NotImplementedInGasLab
 from gas_lab.rules import refusals
 
@@ -32,63 +36,55 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
-LaxInt = Annotated[int, Field(strict=False, gt=0)]  # DeepSpeed configs often write 5e8
+def _whole_number(value: Any) -> Any:
+    # DeepSpeed configs often write 5e8; a bool, a string or 2.5 is a mistake here.
+    if isinstance(value, float) and value.is_integer() and abs(value) < 2**63:
+        return int(value)
+    return value
 
 
-# Optimizer params: None means "not given", and then torch's own default applies, exactly as
-# in DeepSpeed (which passes the dict through): e.g. AdamW's weight_decay default is 0.01.
-class SGDParams(_Section):
-    lr: float | None = None
-    momentum: float | None = None
-    dampening: float | None = None
-    weight_decay: float | None = None
-    nesterov: bool | None = None
-    max_grad_norm: float | None = None  # accepted only so the rule can explain the refusal
-
-
-class AdamParams(_Section):
-    lr: float | None = None
-    betas: Annotated[tuple[float, float], Field(strict=False)] | None = None
-    eps: float | None = None
-    weight_decay: float | None = None
-    amsgrad: bool | None = None
-    torch_adam: bool | None = None  # DeepSpeed: torch's Adam instead of a JIT-built FusedAdam
-    adam_w_mode: bool | None = None  # DeepSpeed: type "Adam" means AdamW unless this is false
-    max_grad_norm: float | None = None
-
-
-_TAUGHT = {"sgd": ("SGD", SGDParams), "adam": ("Adam", AdamParams), "adamw": ("AdamW", AdamParams)}
-_DEEPSPEED_ONLY = {"adagrad", "lamb", "lion", "muadam", "muadamw", "musgd", "muon", "onebitadam"}
+Elements = Annotated[int, BeforeValidator(_whole_number), Field(lt=2**63)]
 
 
 class OptimizerConfig(_Section):
+    """``{"type": ..., "params": {...}}``, checked per DeepSpeed path (:mod:`gas_lab.optimizers`)."""
+
     type: str
-    params: dict[str, Any] = Field(default_factory=dict)  # checked by load_config per type
+    params: dict[str, Any] = Field(default_factory=dict)
+
+    def plan(self) -> optimizers.Plan:
+        """What DeepSpeed builds for this block, and the torch optimizer gas_lab builds."""
+        return optimizers.plan(self.type, self.params)
 
     def torch_optimizer(self, parameters) -> torch.optim.Optimizer:
-        """Build the torch optimizer DeepSpeed 0.19.8 would build for this block."""
-        params = dict(self.params)
-        params.pop("max_grad_norm", None)
-        params.pop("torch_adam", None)  # gas_lab always uses torch's implementation
-        if self.type == "SGD":
-            return torch.optim.SGD(parameters, **params)
-        # DeepSpeed's surprise: type "Adam" runs AdamW (decoupled weight decay) unless
-        # adam_w_mode is false; type "AdamW" is AdamW whatever adam_w_mode says.
-        adam_w = params.pop("adam_w_mode", True) is not False or self.type == "AdamW"
-        return (torch.optim.AdamW if adam_w else torch.optim.Adam)(parameters, **params)
+        """The optimizer DeepSpeed 0.19.8 would build, as torch (its defaults per path)."""
+        return self.plan().build(parameters)
 
 
 class ZeroConfig(_Section):
+    """``zero_optimization``. Every key is read, or accepted and ignored as DeepSpeed ignores
+    it at stages 0 and 1 (said at the field); stages 2 and 3 are refused as out of scope."""
+
     stage: int = Field(0, ge=0, le=3)
-    overlap_comm: bool | None = None  # None: DeepSpeed's default, true only at stage 3
-    contiguous_gradients: bool = True
-    reduce_scatter: bool = True
-    reduce_bucket_size: LaxInt = 500_000_000
-    allgather_bucket_size: LaxInt = 500_000_000
-    allgather_partitions: bool = True
+    # Stage 1's gradient reduction follows the next five exactly as DeepSpeed's does
+    # (gas_lab/buckets.py). Stage 0 ignores them, as DeepSpeed does (fixed 5e8 buckets).
+    reduce_bucket_size: Elements = Field(500_000_000, gt=0)  # elements per collective
+    reduce_scatter: bool = True  # false: one all_reduce per bucket, predivide/prescale apply
+    use_multi_rank_bucket_allreduce: bool = True  # false: a reduce to each owning rank
+    contiguous_gradients: bool = True  # false: one all_reduce per bucket, divided first
+    compute_grad_norm: bool = True  # false (stage 1, gradient_clipping 0): no norm all_reduce
+    # None: DeepSpeed's default, true only at stage 3. Refused unmanaged (rules). Managed,
+    # accepted and ignored: DeepSpeed's hooks reduce at the boundary backward, as gas_lab does.
+    overlap_comm: bool | None = None
+    # Accepted and ignored, as in DeepSpeed 0.19.8 at stage 1 with torch's all_gather_into_tensor
+    # (one all-gather per param group); still checked as DeepSpeed does (even at stage 1).
+    allgather_bucket_size: Elements = Field(500_000_000, ge=0)
+    allgather_partitions: bool = True  # accepted and ignored: DeepSpeed reads it nowhere
+    # Stage 1: the order of each group's parameters in the flat vector (which rank owns what),
+    # as DeepSpeed lays them out; the numbers are the same either way.
     round_robin_gradients: bool = False
-    offload_optimizer: dict | None = None
-    offload_param: dict | None = None
+    offload_optimizer: deepspeed_keys.OffloadOptimizerSection | None = None  # device: refused
+    offload_param: deepspeed_keys.OffloadParamSection | None = None  # device: refused
 
     @property
     def overlap(self) -> bool:
@@ -96,18 +92,7 @@ class ZeroConfig(_Section):
 
     def offloads(self) -> bool:
         blocks = (self.offload_optimizer, self.offload_param)
-        return any(b and b.get("device", "none") not in (None, "none") for b in blocks)
-
-
-class _Switch(BaseModel):
-    # Sections gas_lab does not implement: only "enabled" matters (out of scope when true).
-    model_config = ConfigDict(extra="allow", strict=True)
-    enabled: bool = False
-
-
-class CompileConfig(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
-    deepcompile: bool = False
+        return any(b is not None and b.device != "none" for b in blocks)
 
 
 class GasConfig(_Section):
@@ -118,13 +103,19 @@ class GasConfig(_Section):
     optimizer: OptimizerConfig | None = None
     zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
     zero_allow_untested_optimizer: bool = False
-    gradient_clipping: float = Field(1.0, ge=0.0)  # DeepSpeed 0.19.8 clips at 1.0 by default
-    fp16: _Switch = Field(default_factory=_Switch)
-    compile: CompileConfig = Field(default_factory=CompileConfig)
+    # DeepSpeed 0.19.8 clips at 1.0 by default; 0 or less: no clipping (DeepSpeed's test is > 0).
+    gradient_clipping: float = 1.0
+    # Where the division by the world size happens (stage 0, and stage 1 with reduce_scatter
+    # false), as in DeepSpeed: the mean is the same, the rounding may differ for W not 2^k.
+    prescale_gradients: bool = False
+    gradient_predivide_factor: float = 1.0
+    fp16: deepspeed_keys.Fp16Section = Field(default_factory=deepspeed_keys.Fp16Section)
+    compile: deepspeed_keys.CompileSection = Field(default_factory=deepspeed_keys.CompileSection)
     amp: dict | None = None  # present only so gas_lab/rules/refusals.py can say why it is refused
-    pipeline: dict | None = None  # DeepSpeed's pipeline section; used only with PipelineModule
-    steps_per_print: int | None = None  # logging only
-    wall_clock_breakdown: bool = False  # logging only
+    # Accepted and ignored, as DeepSpeed ignores it without a PipelineModule (refused: rules).
+    pipeline: dict | None = None
+    steps_per_print: int | None = None  # accepted and ignored (DeepSpeed's logging); 0 refused
+    wall_clock_breakdown: bool = False  # accepted and ignored: DeepSpeed's timers
     world_size: int = Field(1, exclude=True)  # not a DeepSpeed key: filled in by load_config
     # Lesson 08: schedules (gas_lab/schedules.py), sum or mean, precision (gas_lab/precision.py).
     scheduler: schedules.SchedulerConfig | None = None
@@ -133,6 +124,13 @@ class GasConfig(_Section):
     data_types: precision.DataTypesConfig = Field(default_factory=precision.DataTypesConfig)
     communication_data_type: str | None = None  # None: bf16 when bf16 is on, else fp32
     dataloader_drop_last: bool = False  # for initialize(training_data=...)
+
+    @field_validator("gradient_clipping", "gradient_predivide_factor")
+    @classmethod
+    def _a_number(cls, value: float, info) -> float:
+        if math.isnan(value) or (info.field_name == "gradient_predivide_factor" and value <= 0):
+            raise ValueError(f"must be a number{' > 0' if value == value else ''}, got {value}")
+        return value
 
     @field_validator("gradient_allreduce_op")
     @classmethod
@@ -234,35 +232,50 @@ def parse(config: dict | GasConfig) -> GasConfig:
         config = config.model_dump(exclude_unset=True)
     if not isinstance(config, dict):
         raise ConfigError("<config>", f"expected a dict, got {type(config).__name__}")
+    if "world_size" in config:
+        raise ConfigError("world_size", "not a DeepSpeed key: the world size is the process "
+                          "group's (give train_batch_size and the micro-batch size instead)")  # fmt: skip
+    deepspeed_keys.check_known(config, config.get("zero_optimization"))
+    if "amp" in config and config["amp"] is None:
+        config = {**config, "amp": {}}  # DeepSpeed refuses the key itself, even null (rules)
     try:
         cfg = GasConfig.model_validate(config)
     except ValidationError as err:
         raise _pydantic_to_config_error(err) from None
     if cfg.optimizer is not None:
-        _check_optimizer(cfg.optimizer)
+        cfg.optimizer.type = optimizers.normalize_type(cfg.optimizer.type)
+        optimizers.check(cfg.optimizer.type, cfg.optimizer.params)
+    _check_zero(cfg)
     schedules.check(cfg.scheduler)
     return cfg
 
 
-def _check_optimizer(opt: OptimizerConfig) -> None:
-    """Normalize the type name like DeepSpeed and validate the params for that type."""
-    key = opt.type.lower()
-    # DeepSpeed lower-cases its own optimizer names ("adam", "AdamW") but looks any other name
-    # up in torch.optim as written, so "sgd" fails there and fails here.
-    if key in ("adam", "adamw") or opt.type == "SGD":
-        name, params_model = _TAUGHT[key]
-    elif key in _DEEPSPEED_ONLY or hasattr(torch.optim, opt.type):
-        raise NotImplementedInGasLab(
-            f"optimizer.type {opt.type!r}: gas_lab teaches with SGD, Adam and AdamW; "
-            "use deepspeed.initialize for other optimizers."
-        )
-    else:
+def _check_zero(cfg: GasConfig) -> None:
+    """What DeepSpeed checks across keys when it builds its engine and ZeRO optimizer."""
+    if cfg.steps_per_print == 0:
+        raise ConfigError("steps_per_print", "0: DeepSpeed divides the step count by it at the "
+                          "first update (ZeroDivisionError); null never prints",
+                          deepspeed_raises=ZeroDivisionError)  # fmt: skip
+    zero = cfg.zero_optimization
+    if zero.stage in (1, 2) and zero.allgather_bucket_size % 2:
         raise ConfigError(
-            "optimizer.type", f"{opt.type!r} is neither a DeepSpeed nor a torch optimizer"
+            "zero_optimization.allgather_bucket_size",
+            f"{zero.allgather_bucket_size} at stage {zero.stage}: must be even (DeepSpeed "
+            "asserts it is a multiple of its alignment, 2)",
+            deepspeed_raises=AssertionError,
         )
-    try:
-        checked = params_model.model_validate(opt.params)
-    except ValidationError as err:
-        raise _pydantic_to_config_error(err, prefix="optimizer.params.") from None
-    opt.type = name
-    opt.params = checked.model_dump(exclude_none=True)  # only what the user wrote
+    if not zero.compute_grad_norm:
+        if zero.stage not in (1, 2):
+            raise ConfigError("zero_optimization.compute_grad_norm",
+                              "false is supported only with ZeRO stage 1 or 2 (as in DeepSpeed)")  # fmt: skip
+        if cfg.gradient_clipping > 0:
+            raise ConfigError(
+                "zero_optimization.compute_grad_norm",
+                f"false needs gradient_clipping 0 (it is {cfg.gradient_clipping}): clipping "
+                "needs the norm (DeepSpeed raises ValueError at initialize)",
+            )
+        if cfg.bf16.enabled:
+            raise NotImplementedInGasLab(
+                "config key 'zero_optimization.compute_grad_norm': false with bf16 is not "
+                "supported by gas_lab; use deepspeed.initialize"
+            )

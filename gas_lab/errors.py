@@ -20,11 +20,49 @@ class GasLabError(Exception):
 
 
 class ConfigError(GasLabError, ValueError):
-    """A bad config: ``path`` is the key (``zero_optimization.stage``), ``reason`` the problem."""
+    """A bad config: ``path`` is the key (``zero_optimization.stage``), ``reason`` the problem.
 
-    def __init__(self, path: str, reason: str):
+    A ValueError, like the pydantic error DeepSpeed raises for most bad keys. Where DeepSpeed
+    raises something else for the same value (``"type": "sgd"``: AssertionError, a null
+    ``lr``: TypeError, ``amsgrad`` on FusedAdam: RuntimeError), ``deepspeed_raises=`` makes
+    the error an instance of that type too, so code written for DeepSpeed catches it.
+    """
+
+    def __new__(cls, path: str, reason: str, deepspeed_raises: type | None = None):
+        if deepspeed_raises is not None and not issubclass(cls, deepspeed_raises):
+            cls = _CONFIG_ERRORS[deepspeed_raises]
+        return super().__new__(cls, path, reason)
+
+    def __init__(self, path: str, reason: str, deepspeed_raises: type | None = None):
         self.path, self.reason = path, reason
         super().__init__(f"config key '{path}': {reason}")
+
+    def __reduce__(self):  # rebuilt from (path, reason) when sent back from a rank
+        return (type(self), (self.path, self.reason))
+
+
+class ConfigTypeError(ConfigError, TypeError):
+    """A ConfigError where DeepSpeed raises TypeError (a null or non-numeric value)."""
+
+
+class ConfigAssertionError(ConfigError, AssertionError):
+    """A ConfigError where DeepSpeed raises AssertionError."""
+
+
+class ConfigRuntimeError(ConfigError, RuntimeError):
+    """A ConfigError where DeepSpeed raises RuntimeError."""
+
+
+class ConfigZeroDivisionError(ConfigError, ZeroDivisionError):
+    """A ConfigError where DeepSpeed divides by the value (``steps_per_print: 0``)."""
+
+
+_CONFIG_ERRORS = {
+    TypeError: ConfigTypeError,
+    AssertionError: ConfigAssertionError,
+    RuntimeError: ConfigRuntimeError,
+    ZeroDivisionError: ConfigZeroDivisionError,
+}
 
 
 class RejectedCombination(GasLabError):

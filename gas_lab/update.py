@@ -24,13 +24,10 @@ from typing import Protocol
 
 import torch
 
-from gas_lab import precision
-from gas_lab.dp import all_reduce_gradients, clip_by_norm, replicated_grad_norm
+from gas_lab import buckets, precision
+from gas_lab.dp import clip_by_norm, replicated_grad_norm
 from gas_lab.zero1 import REDUCE_MODES, ShardedUpdate
 from gas_lab.zero2 import PartitionedGradientUpdate
-
-# DeepSpeed's stage-0 bucket, in elements: a small model's gradients fit in one all-reduce.
-ALLREDUCE_BUCKET_ELEMENTS = 500_000_000
 
 
 class UpdateStrategy(Protocol):
@@ -59,7 +56,9 @@ class UpdateStrategy(Protocol):
 class AllReduceUpdate:
     """ZeRO stage 0: every rank keeps all the weights and the whole optimizer state.
 
-    ``reduce_gradients()`` averages the gradients over ranks, one all-reduce per bucket;
+    ``reduce_gradients()`` averages the gradients over ranks, one all-reduce per bucket
+    (:func:`gas_lab.buckets.engine_all_reduce`, with DeepSpeed's ``prescale_gradients`` and
+    ``gradient_predivide_factor``);
     ``update()`` clips, steps the optimizer and clears the gradients, identically on every rank,
     which keeps the replicas equal. Shaped like DeepSpeed's: gradients reduced in large buckets,
     then clipped by their global norm, then one optimizer step.
@@ -75,7 +74,7 @@ class AllReduceUpdate:
         self.optimizer = optimizer
         self.group = group
         self.max_norm = config.gradient_clipping
-        self.average = config.gradient_allreduce_op == "mean"
+        self.config = config
         self.precision = precision.route(config)
         self.masters = None  # fp32 copies the optimizer steps on, for a bf16 model
         if self.precision.fp32_master:
@@ -95,8 +94,9 @@ class AllReduceUpdate:
                 # A parameter unused on this rank still joins the collective: every rank must
                 # reduce buffers of the same layout, or the all-reduce mixes up tensors.
                 p.grad = torch.zeros_like(p)
-        for bucket in _buckets([p.grad for p in self.params], ALLREDUCE_BUCKET_ELEMENTS):
-            all_reduce_gradients(bucket, self.group, self.average, self.precision.communicate)
+        # DeepSpeed's buckets of 5e8 elements, with its pre/post division (gas_lab/buckets.py).
+        grads = [p.grad for p in self.params]
+        buckets.engine_all_reduce(grads, self.group, self.config, self.precision.communicate)
 
     def update(self) -> bool:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
@@ -143,27 +143,11 @@ class AllReduceUpdate:
                     master.copy_(value)
 
 
-def _buckets(grads, max_elements):
-    """Group gradients by dtype, then into buckets that close once they exceed max_elements."""
-    by_dtype: dict[torch.dtype, list] = {}
-    for g in grads:
-        by_dtype.setdefault(g.dtype, []).append(g)
-    for same_dtype in by_dtype.values():
-        bucket, size = [], 0
-        for g in same_dtype:
-            bucket.append(g)
-            size += g.numel()
-            if size > max_elements:
-                yield bucket
-                bucket, size = [], 0
-        if bucket:
-            yield bucket
-
-
 def strategy_for(stage: int, reduce: str | None = None):
     """The strategy class for a ZeRO stage: 0 -> :class:`AllReduceUpdate`, 1 ->
-    :class:`~gas_lab.zero1.ShardedUpdate`, whose gradient reduction ``reduce`` picks
-    (``"all_reduce"`` or ``"reduce_scatter"``; None: DeepSpeed's choice), 2 ->
+    :class:`~gas_lab.zero1.ShardedUpdate`, whose gradient reduction ``reduce`` picks (None or
+    ``"deepspeed"``: DeepSpeed's, as the config's ``zero_optimization`` keys say; lesson 05's
+    variants ``"all_reduce"`` and ``"reduce_scatter"``), 2 ->
     :class:`~gas_lab.zero2.PartitionedGradientUpdate`."""
     if stage == 0:
         if reduce is not None:

@@ -8,14 +8,18 @@ all-gather the updated shards, so every rank again holds the whole model for the
 
 At the accumulation boundary (``gas_lab.engine`` decides when; this module decides how):
 
-1. **reduce** the gradients; rank r needs the averaged gradient of shard r. Two ways:
-   ``"all_reduce"`` the whole gradient and keep your shard (what DeepSpeed 0.19.8 stage 1
-   does, measured), or ``"reduce_scatter"``, which delivers each rank only its shard. On a
+1. **reduce** the gradients; rank r needs the averaged gradient of shard r. DeepSpeed 0.19.8
+   (the default here, :mod:`gas_lab.buckets`) cuts the gradient into buckets and, with its
+   default ``use_multi_rank_bucket_allreduce``, all-reduces each one whole, so every rank
+   receives every shard and keeps its own; with that key false it ``reduce``s each owner's
+   slice to its owner. Two teaching variants (``reduce=``): ``"all_reduce"`` (the whole
+   gradient, once) and ``"reduce_scatter"``, which delivers each rank only its shard. On a
    ring, an all-reduce moves 2(W-1)/W of the gradient bytes per rank, a reduce-scatter half
    of that; with the all-gather below, reduce-scatter makes ZeRO-1 cost what DDP costs.
 2. **clip** by the global norm. A rank holds one shard, so the norm is the square root of the
    *sum over ranks* of each shard's squared norm: one 4-byte all-reduce (DeepSpeed computes
-   the norm even when clipping is off, so gas_lab does too, and the counts match).
+   the norm even when clipping is off, so gas_lab does too, and the counts match; only
+   ``zero_optimization.compute_grad_norm`` false, with clipping off, skips it).
 3. **step** the wrapped optimizer (SGD, Adam, AdamW: any element-wise one) on the shard.
 4. **all-gather** the shards into the flat buffer. The model's parameters are views into that
    buffer, so the all-gather writes the new weights straight into the model.
@@ -38,13 +42,13 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from gas_lab import precision
+from gas_lab import buckets, precision
 from gas_lab.dp import all_reduce_gradients, clip_by_norm
 
 # Shard sizes are a multiple of this many elements, as in DeepSpeed (4 bytes of fp16), so
 # every shard starts aligned; the flat vector is padded with zeros up to W x that multiple.
 ALIGNMENT = 2
-REDUCE_MODES = ("all_reduce", "reduce_scatter")
+REDUCE_MODES = ("deepspeed", "all_reduce", "reduce_scatter")
 
 
 class Layout:
@@ -100,17 +104,25 @@ class _FlatGroup:
     """One optimizer param group, flattened: the model's weights become views into ``flat``;
     ``master`` is this rank's shard, the only tensor the optimizer sees."""
 
-    def __init__(self, params: list[torch.nn.Parameter], world_size: int, rank: int):
+    def __init__(self, params: list[torch.nn.Parameter], world_size: int, rank: int,
+                 round_robin: bool = False):  # fmt: skip
         dtypes = {p.dtype for p in params}
         if len(dtypes) > 1:
             raise TypeError(f"one param group, one dtype; got {sorted(map(str, dtypes))}")
-        self.params = params
-        self.layout = Layout.of([p.numel() for p in params], world_size)
+        order = list(range(len(params)))
+        if round_robin:  # DeepSpeed's round_robin_gradients: another order in the flat vector
+            order = buckets.round_robin([p.numel() for p in params], world_size)
+        self.params = [params[i] for i in order]
+        self.layout = Layout.of([p.numel() for p in self.params], world_size)
+        # (offset, numel) of each parameter in the flat vector, in the group's own order: the
+        # order gradients are bucketed in (gas_lab.buckets).
+        offsets = dict(zip(order, self.layout.offsets, strict=True))
+        self.walk = [(offsets[i], params[i].numel()) for i in range(len(params))]
         self.start, self.end = self.layout.shard(rank)
         self.flat = torch.zeros(
             self.layout.padded_numel, dtype=params[0].dtype, device=params[0].device
         )
-        for p, offset in zip(params, self.layout.offsets, strict=True):
+        for p, offset in zip(self.params, self.layout.offsets, strict=True):
             view = self.flat[offset : offset + p.numel()]
             view.copy_(p.detach().reshape(-1))
             p.data = view.view_as(p)  # the weights now live inside flat: no copy after gather
@@ -141,19 +153,22 @@ class ShardedUpdate:
 
     ``optimizer`` is a fresh torch optimizer over the model's parameters; its param groups are
     re-pointed at this rank's shards (DeepSpeed does the same), so ``optimizer.state`` holds
-    only this rank's share. ``reduce`` is ``"all_reduce"`` (DeepSpeed's stage 1) or
-    ``"reduce_scatter"``. Frozen and empty parameters are left out, as in DeepSpeed. A
+    only this rank's share. ``reduce`` is ``"deepspeed"`` (DeepSpeed's stage 1, following the
+    config's ``zero_optimization`` keys: :mod:`gas_lab.buckets`), or one of lesson 05's
+    variants, ``"all_reduce"`` or ``"reduce_scatter"``. Frozen and empty parameters are left out, as in DeepSpeed. A
     parameter without a gradient on this rank is reduced as zeros; DeepSpeed 0.19.8 leaves it
     out of the buffer instead, which breaks the all-reduce when it is used on one rank only.
     """
 
-    def __init__(self, params, optimizer, group, config, reduce: str = "all_reduce"):
+    def __init__(self, params, optimizer, group, config, reduce: str = "deepspeed"):
         if reduce not in REDUCE_MODES:
             raise ValueError(f"reduce must be one of {REDUCE_MODES}, got {reduce!r}")
         self.group, self.reduce = group, reduce
         self.world_size = dist.get_world_size(group) if group is not None else 1
         self.rank = dist.get_rank(group) if group is not None else 0
         self.max_norm = config.gradient_clipping
+        self.config = config
+        self.compute_norm = config.zero_optimization.compute_grad_norm
         trainable = {id(p) for p in params if p.requires_grad and p.numel() > 0}
         self.groups: list[_FlatGroup] = []
         for param_group in optimizer.param_groups:
@@ -161,7 +176,8 @@ class ShardedUpdate:
             if not mine:
                 param_group["params"] = []
                 continue
-            flat_group = _FlatGroup(mine, self.world_size, self.rank)
+            flat_group = _FlatGroup(mine, self.world_size, self.rank,
+                                    config.zero_optimization.round_robin_gradients)  # fmt: skip
             param_group["params"] = [flat_group.master]
             self.groups.append(flat_group)
             for p, offset in zip(mine, flat_group.layout.offsets, strict=True):
@@ -201,29 +217,51 @@ class ShardedUpdate:
 
     def reduce_gradients(self) -> None:
         """Leave in each group's ``grad_shard`` the rank-averaged gradient of this rank's shard."""
-        for g in self.groups:
-            local = g.local_gradient(self._grads_of(g))
-            comm = self.precision.communicate
-            if self.reduce == "all_reduce":
+        locals_ = [g.local_gradient(self._grads_of(g)) for g in self.groups]
+        if self.reduce == "deepspeed":
+            self._reduce_as_deepspeed(locals_)
+        for g, local in zip(self.groups, locals_, strict=True):
+            if self.reduce == "deepspeed":
+                shard = local[g.start : g.end]
+            elif self.reduce == "all_reduce":
                 # Send only the real elements (DeepSpeed's buffer), pad afterwards to cut shards.
                 real = local[: g.layout.numel].clone()
-                all_reduce_gradients([real], self.group, self.average, comm)
+                all_reduce_gradients([real], self.group, self.average, self.precision.communicate)
                 shard = torch.nn.functional.pad(real, (0, g.layout.padding))[g.start : g.end]
-            elif self.group is None:
-                shard = local[g.start : g.end]
             else:
-                shard = torch.empty(g.layout.shard_size, dtype=comm, device=g.flat.device)
-                with warnings.catch_warnings():  # torch 2.13 renamed it; the name works >= 2.4
-                    warnings.simplefilter("ignore", FutureWarning)
-                    dist.reduce_scatter_tensor(shard, local.to(comm), group=self.group)
-                if self.average:  # reduce-scatter sums; the mean is what we step on
-                    shard.div_(self.world_size)
-                shard = shard.to(local.dtype)
+                shard = self._reduce_scatter(g, local)
             # Reducing twice before an update (two boundaries) adds up, like .grad would.
             g.grad_shard = shard.clone() if g.grad_shard is None else g.grad_shard + shard
             g.clear_grads()
         if self.buffers is not None:
             self.buffers.clear()
+
+    def _reduce_as_deepspeed(self, locals_: list[torch.Tensor]) -> None:
+        """Reduce the flat local gradients in place with DeepSpeed's collectives."""
+        comm, cfg = self.precision.communicate, self.config
+        if self.precision.wrapper == "BF16_Optimizer":  # no ZeRO buckets: the engine's
+            buckets.engine_all_reduce([t[: g.layout.numel] for g, t in
+                                       zip(self.groups, locals_, strict=True)], self.group, cfg, comm)  # fmt: skip
+            return
+        groups = [(g.walk, g.layout.shard_size) for g in self.groups]
+        calls = buckets.stage1_calls(groups, cfg.zero_optimization)
+        for call in calls:
+            steps = buckets.scale_steps(call.scaling, self.world_size, self.average,
+                                        cfg.prescale_gradients, cfg.gradient_predivide_factor)  # fmt: skip
+            views = [locals_[p.group][p.start : p.end] for p in call.pieces]
+            buckets.reduce_views(views, self.group, comm, call.kind, call.dst, steps)
+
+    def _reduce_scatter(self, g: _FlatGroup, local: torch.Tensor) -> torch.Tensor:
+        if self.group is None:
+            return local[g.start : g.end]
+        comm = self.precision.communicate
+        shard = torch.empty(g.layout.shard_size, dtype=comm, device=g.flat.device)
+        with warnings.catch_warnings():  # torch 2.13 renamed it; the name works >= 2.4
+            warnings.simplefilter("ignore", FutureWarning)
+            dist.reduce_scatter_tensor(shard, local.to(comm), group=self.group)
+        if self.average:  # reduce-scatter sums; the mean is what we step on
+            shard.div_(self.world_size)
+        return shard.to(local.dtype)
 
     def update(self) -> bool:
         """Clip by the global norm, step the optimizer on the shard, all-gather the weights."""
@@ -235,14 +273,16 @@ class ShardedUpdate:
             g.master.grad = g.grad_shard.to(torch.float32)  # the master shard's dtype
         shards = [g.master.grad for g in self.groups]
         # The norm is computed even without clipping, as DeepSpeed stage 1 does (it reports
-        # it): that is one 4-byte all-reduce per update whatever gradient_clipping says.
-        norm = global_norm(shards, self.group)
-        self.last_norm = norm.item()
-        if self.precision.skip_nonfinite and not torch.isfinite(norm):
-            self._clear()  # an inf/nan gradient: skip the update, as DeepSpeed's ZeRO does
-            return False
-        if self.max_norm > 0:
-            clip_by_norm(shards, norm, self.max_norm)
+        # it): one 4-byte all-reduce per update, unless compute_grad_norm is false (which
+        # needs clipping off, so nothing below reads it).
+        if self.compute_norm:
+            norm = global_norm(shards, self.group)
+            self.last_norm = norm.item()
+            if self.precision.skip_nonfinite and not torch.isfinite(norm):
+                self._clear()  # an inf/nan gradient: skip the update, as DeepSpeed's ZeRO does
+                return False
+            if self.max_norm > 0:
+                clip_by_norm(shards, norm, self.max_norm)
         self.optimizer.step()
         self._clear()
         for g in self.groups:

@@ -4,7 +4,9 @@ import os
 
 import pytest
 import torch
+from config_support import deepspeed_builds, gas_lab_builds
 
+from gas_lab import deepspeed_keys, optimizers
 from gas_lab.config import load_config, resolve_batch
 from gas_lab.errors import ConfigError, NotImplementedInGasLab, RejectedCombination
 from gas_lab.rules import refusals
@@ -31,28 +33,131 @@ def test_defaults_match_deepspeed():
     assert ours.zero_allow_untested_optimizer is theirs.zero_allow_untested_optimizer is False
 
 
+# -- the optimizer, per DeepSpeed path (gas_lab/optimizers.py) -----------------------------------
+TYPES = ("Adam", "AdamW", "adam", "adamw", "ADAM")
+SWITCH_VALUES = ("absent", True, False, None, 0, 1)
+
+
+def _block(kind, torch_adam="absent", adam_w_mode="absent", **params):
+    switches = {"torch_adam": torch_adam, "adam_w_mode": adam_w_mode}
+    params.update({k: v for k, v in switches.items() if v != "absent"})
+    return {"type": kind, "params": params}
+
+
+COMPARED = ("lr", "betas", "eps", "weight_decay", "amsgrad", "momentum", "dampening", "nesterov")
+
+
+def _same_build(block, monkeypatch):
+    theirs, their_hp = deepspeed_builds(block, monkeypatch)
+    ours, our_hp = gas_lab_builds(block)
+    assert ours == theirs, block
+    for key in COMPARED:
+        if key in their_hp:  # FusedAdam has no amsgrad; bias_correction (true) is not torch's
+            ours_v, theirs_v = (v if not isinstance(v, list) else tuple(v)
+                                for v in (our_hp[key], their_hp[key]))  # fmt: skip
+            # A null flag is false to both (DeepSpeed passes it on; gas_lab drops it).
+            assert ours_v == theirs_v or (not ours_v and theirs_v is None), (block, key)
+    return ours, our_hp
+
+
+@pytest.mark.parametrize("kind", TYPES)
+def test_optimizer_per_path_is_what_deepspeed_builds(kind, monkeypatch):
+    """Every type x torch_adam x adam_w_mode: the class (FusedAdam: its mode) and every
+    hyper-parameter, defaults included, equal DeepSpeed 0.19.8's own construction."""
+    seen = set()
+    for torch_adam in SWITCH_VALUES:
+        for adam_w_mode in SWITCH_VALUES[:5]:
+            for params in ({}, {"lr": 0.1}, {"weight_decay": 0.1, "betas": [0.8, 0.9]}):
+                block = _block(kind, torch_adam, adam_w_mode, **params)
+                seen.add(_same_build(block, monkeypatch)[0])
+    expected = {"FusedAdam/AdamW", "AdamW"}
+    if kind.lower() == "adam":
+        expected |= {"FusedAdam/Adam", "Adam"}  # adam_w_mode false, 0 or null: Adam + L2
+    assert seen == expected
+
+
+def test_fused_path_defaults_are_deepspeeds_not_torchs():
+    """The reason for all this: no torch_adam means weight_decay 0.0, not AdamW's 0.01."""
+    plan = load_config(cfg(optimizer={"type": "Adam", "params": {}})).optimizer.plan()
+    assert plan.path == "fused" and plan.deepspeed_builds == "FusedAdam(adam_w_mode=1)"
+    assert plan.cls is torch.optim.AdamW and plan.kwargs["weight_decay"] == 0.0
+    assert torch.optim.AdamW([torch.zeros(1)]).defaults["weight_decay"] == 0.01
+    torch_path = load_config(cfg()).optimizer.plan()  # ADAM has torch_adam: true
+    assert torch_path.path == "torch" and "weight_decay" not in torch_path.kwargs
+    table = optimizers.table()
+    assert {r["DeepSpeed builds"] for r in table} >= {"FusedAdam(adam_w_mode=1)",
+                                                     "FusedAdam(adam_w_mode=0)"}  # fmt: skip
+
+
 @pytest.mark.parametrize(
-    "opt_type, adam_w_mode, expected",
+    "block",
     [
-        ("Adam", None, torch.optim.AdamW),  # the surprise: "Adam" means AdamW
-        ("Adam", False, torch.optim.Adam),
-        ("adam", None, torch.optim.AdamW),  # DeepSpeed lower-cases its own names
-        ("AdamW", None, torch.optim.AdamW),
-        ("AdamW", False, torch.optim.AdamW),  # AdamW stays AdamW
-        ("SGD", None, torch.optim.SGD),
+        {"type": "SGD", "params": {}},
+        {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9, "nesterov": True}},
+        {"type": "SGD", "params": {"lr": 0.1, "nesterov": None, "weight_decay": 0.01}},
+        _block("Adam", True, amsgrad=True),
+        _block("Adam", amsgrad=None),
+        _block("Adam", True, foreach=True, maximize=False),
     ],
 )
-def test_optimizer_mapping(opt_type, adam_w_mode, expected):
-    params = {"lr": 0.1}
-    if adam_w_mode is not None:
-        params["adam_w_mode"] = adam_w_mode
-    c = load_config(cfg(optimizer={"type": opt_type, "params": params}))
-    opt = c.optimizer.torch_optimizer(torch.nn.Linear(2, 2).parameters())
-    assert type(opt) is expected
-    if expected is not torch.optim.SGD:
-        # Unset params keep torch's defaults, as in DeepSpeed (AdamW: weight_decay 0.01).
-        default = expected([torch.nn.Parameter(torch.zeros(1))]).defaults["weight_decay"]
-        assert opt.param_groups[0]["weight_decay"] == default
+def test_other_blocks_are_what_deepspeed_builds(block, monkeypatch):
+    _same_build(block, monkeypatch)
+
+
+@pytest.mark.parametrize(
+    "block, path, raises",
+    [
+        ({"type": "sgd", "params": {}}, "optimizer.type", AssertionError),
+        ({"type": "Sgd", "params": {}}, "optimizer.type", AssertionError),
+        (_block("Adam", amsgrad=True), "optimizer.params.amsgrad", RuntimeError),
+        (_block("Adam", True, lr=None), "optimizer.params.lr", TypeError),
+        (_block("AdamW", True, eps=None), "optimizer.params.eps", TypeError),
+        (_block("Adam", True, weight_decay=None), "optimizer.params.weight_decay", TypeError),
+        (_block("Adam", True, betas=None), "optimizer.params.betas", TypeError),
+        ({"type": "SGD", "params": {"lr": None}}, "optimizer.params.lr", TypeError),
+        ({"type": "SGD", "params": {"momentum": None}}, "optimizer.params.momentum", TypeError),
+        ({"type": "SGD", "params": {"torch_adam": True}}, "optimizer.params.torch_adam", TypeError),
+        (_block("Adam", True, bias_correction=True), "optimizer.params.bias_correction", TypeError),
+        (_block("Adam", lrr=0.1), "optimizer.params.lrr", TypeError),
+    ],
+)
+def test_refused_as_deepspeed_refuses(block, path, raises, monkeypatch):
+    """Where DeepSpeed's construction raises, gas_lab raises an error of the same type that
+    names the key."""
+    with pytest.raises(raises):
+        deepspeed_builds(block, monkeypatch)
+    with pytest.raises(ConfigError) as err:
+        load_config(cfg(optimizer=block))
+    assert isinstance(err.value, raises) and err.value.path == path
+    assert path in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "params, path",
+    [
+        ({"lr": None}, "optimizer.params.lr"),  # DeepSpeed: TypeError at the first step
+        ({"betas": None}, "optimizer.params.betas"),
+        ({"lr": "1e-2"}, "optimizer.params.lr"),
+        ({"lr": -1e-3}, "optimizer.params.lr"),  # FusedAdam would climb the loss
+        ({"weight_decay": -0.1}, "optimizer.params.weight_decay"),  # FusedAdam ignores it
+        ({"eps": float("nan")}, "optimizer.params.eps"),
+        ({"betas": [0.9, 1.0]}, "optimizer.params.betas"),
+        ({"betas": [0.9]}, "optimizer.params.betas"),
+        ({"adam_w_mode": "no"}, "optimizer.params.adam_w_mode"),  # truthy in DeepSpeed
+        ({"torch_adam": "false"}, "optimizer.params.torch_adam"),
+        ({"max_grad_norm": None}, "optimizer.params.max_grad_norm"),
+    ],
+)
+def test_fused_path_refusals_name_the_key(params, path):
+    with pytest.raises(ConfigError) as err:
+        load_config(cfg(optimizer={"type": "Adam", "params": params}))
+    assert err.value.path == path and path in str(err.value)
+
+
+def test_not_modelled_optimizer_keywords_are_not_supported():
+    for block in (_block("Adam", False, bias_correction=False), _block("Adam", True, fused=True)):
+        with pytest.raises(NotImplementedInGasLab, match="not supported by gas_lab"):
+            load_config(cfg(optimizer=block))
 
 
 # -- the batch invariant -------------------------------------------------------------------------
@@ -119,7 +224,8 @@ def test_batch_mismatch_names_the_numbers():
         (cfg(managed_gradient_accumulation="no"), "managed_gradient_accumulation"),
         (cfg(gradient_accumulation_steps="2"), "gradient_accumulation_steps"),
         (cfg(zero_optimization={"stage": 4}), "zero_optimization.stage"),
-        (cfg(gradient_clipping=-1.0), "gradient_clipping"),
+        (cfg(gradient_clipping=float("nan")), "gradient_clipping"),
+        (cfg(gradient_clipping=None), "gradient_clipping"),
         (cfg(optimizer={"type": "Adam", "params": {"lrr": 1e-3}}), "optimizer.params.lrr"),
         (cfg(optimizer={"type": "SGD", "params": {"lr": "0.1"}}), "optimizer.params.lr"),
         (cfg(optimizer={"type": "sgd", "params": {}}), "optimizer.type"),  # as in DeepSpeed
@@ -142,7 +248,138 @@ def test_deepspeed_keys_written_loosely_still_load():
         )
     )
     assert c.zero_optimization.reduce_bucket_size == 500_000_000
-    assert c.optimizer.params["betas"] == (0.8, 0.9)
+    assert c.optimizer.plan().kwargs["betas"] == (0.8, 0.9)
+
+
+# -- DeepSpeed's keys: read, accepted and ignored, not supported, or removed --------------------
+# Top-level keys deepspeed.initialize + one step read at ZeRO 0 and 1 (traced on 0.19.8 by
+# wrapping the config dict's lookups; other engines, e.g. pipeline or inference, read more).
+DEEPSPEED_TOP_LEVEL = """activation_checkpointing aio amp autotuning bf16 bfloat16 checkpoint comet
+    comms_logger communication_data_type compile compression_training csv_monitor
+    curriculum_learning data_efficiency data_types dataloader_drop_last datastates_ckpt
+    disable_allgather disable_python_gc dump_state eigenvalue elasticity expert_parallel
+    flops_profiler fp16 gradient_accumulation_steps gradient_allreduce_op gradient_clipping
+    gradient_predivide_factor graph_harvesting hybrid_engine log_level
+    managed_gradient_accumulation memory_breakdown nebula optimizer pipeline prescale_gradients
+    progressive_layer_drop quantize_training scheduler seq_parallel_communication_data_type
+    sequence_parallel_size sparse_attention sparse_gradients steps_per_print tensor_parallel
+    tensorboard timers torch_autocast train_batch_size train_micro_batch_size_per_gpu
+    use_data_before_expert_parallelism vocabulary_size wall_clock_breakdown wandb
+    weight_quantization zero_allow_untested_optimizer zero_force_ds_cpu_optimizer
+    zero_optimization""".split()
+
+
+def test_every_deepspeed_key_is_modelled_or_refused_by_name():
+    """No key DeepSpeed reads gets "check the spelling": gas_lab models it, or refuses it as
+    not supported / removed. Sections are compared with DeepSpeed's own pydantic models."""
+    from deepspeed.compile.config import CompileConfig
+    from deepspeed.runtime.precision_config import DeepSpeedFP16Config
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    from deepspeed.runtime.zero.offload_config import (
+        DeepSpeedZeroOffloadOptimizerConfig,
+        DeepSpeedZeroOffloadParamConfig,
+    )
+
+    from gas_lab.config import GasConfig, ZeroConfig
+
+    modelled = set(GasConfig.model_fields) - {"world_size"}
+    refused = deepspeed_keys.NOT_SUPPORTED | deepspeed_keys.REMOVED
+    assert set(DEEPSPEED_TOP_LEVEL) == modelled | refused
+    assert not modelled & refused
+    zero_names = set(DeepSpeedZeroConfig.model_fields) | {
+        f.alias for f in DeepSpeedZeroConfig.model_fields.values() if f.alias
+    }
+    ours = set(ZeroConfig.model_fields)
+    assert zero_names == ours | deepspeed_keys.ZERO_NOT_SUPPORTED
+    for theirs, mine in (
+        (DeepSpeedFP16Config, deepspeed_keys.Fp16Section),
+        (CompileConfig, deepspeed_keys.CompileSection),
+        (DeepSpeedZeroOffloadOptimizerConfig, deepspeed_keys.OffloadOptimizerSection),
+        (DeepSpeedZeroOffloadParamConfig, deepspeed_keys.OffloadParamSection),
+    ):
+        assert set(theirs.model_fields) == set(mine.model_fields), mine.__name__
+
+
+@pytest.mark.parametrize("key", sorted(deepspeed_keys.NOT_SUPPORTED))
+def test_deepspeed_keys_gas_lab_lacks_are_not_supported(key):
+    with pytest.raises(NotImplementedInGasLab, match=f"'{key}'.*not supported by gas_lab"):
+        load_config(cfg(**{key: {}}))
+
+
+@pytest.mark.parametrize(
+    "extra, path",
+    [
+        (dict(sparse_attention=None), "sparse_attention"),  # removed: refused even as null
+        (dict(zero_optimization={"stage": 0, "mics_shard_size": 2}), "zero_optimization.mics"),
+    ],
+)
+def test_removed_deepspeed_keys_say_removed(extra, path):
+    with pytest.raises(ConfigError, match="removed in DeepSpeed") as err:
+        load_config(cfg(**extra))
+    assert err.value.path.startswith(path)
+
+
+def test_zero_keys_gas_lab_lacks_are_not_supported():
+    with pytest.raises(NotImplementedInGasLab, match="zero_optimization.sub_group_size"):
+        load_config(cfg(zero_optimization={"stage": 1, "sub_group_size": 10}))
+
+
+def test_amp_is_refused_even_null():
+    with pytest.raises(RejectedCombination, match="amp"):
+        load_config(cfg(amp=None))
+
+
+@pytest.mark.parametrize(
+    "extra, path",
+    [
+        (dict(fp16={"enabled": False, "loss_scal": 0}), "fp16.loss_scal"),
+        (dict(bf16={"enabled": False, "foo": 1}), "bf16.foo"),
+        (dict(compile={"deepcompile": False, "foo": 1}), "compile.foo"),
+        (dict(zero_optimization={"offload_optimizer": {"foo": 1}}), "offload_optimizer.foo"),
+        (dict(zero_optimization={"offload_param": {"device": None}}), "offload_param.device"),
+        (dict(world_size=8), "world_size"),
+        (dict(steps_per_print=0), "steps_per_print"),
+        (dict(zero_optimization={"reduce_bucket_size": True}), "reduce_bucket_size"),
+        (dict(zero_optimization={"reduce_bucket_size": "2"}), "reduce_bucket_size"),
+        (dict(zero_optimization={"reduce_bucket_size": 1e30}), "reduce_bucket_size"),
+        (dict(zero_optimization={"reduce_bucket_size": 2.5}), "reduce_bucket_size"),
+        (dict(zero_optimization={"reduce_bucket_size": 0}), "reduce_bucket_size"),
+        (dict(zero_optimization={"stage": 1, "allgather_bucket_size": 3}), "allgather_bucket"),
+        (dict(zero_optimization={"allgather_bucket_size": -1}), "allgather_bucket_size"),
+        (dict(zero_optimization={"compute_grad_norm": False}), "compute_grad_norm"),
+        (dict(zero_optimization={"stage": 1, "compute_grad_norm": False}), "compute_grad_norm"),
+        (dict(gradient_predivide_factor=0), "gradient_predivide_factor"),
+        (dict(prescale_gradients=1), "prescale_gradients"),
+    ],
+)
+def test_values_deepspeed_refuses_or_crashes_on_name_the_key(extra, path):
+    with pytest.raises(ConfigError) as err:
+        load_config(cfg(**extra))
+    assert path in err.value.path, err.value
+
+
+def test_error_types_are_deepspeeds():
+    with pytest.raises(ZeroDivisionError):  # DeepSpeed: at the first update
+        load_config(cfg(steps_per_print=0))
+    with pytest.raises(AssertionError, match="even"):
+        load_config(cfg(zero_optimization={"stage": 1, "allgather_bucket_size": 3}))
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        dict(zero_optimization={"stage": 0, "allgather_bucket_size": 3}),  # only stage 1 checks
+        dict(zero_optimization={"stage": 1, "allgather_bucket_size": 0}),
+        dict(zero_optimization={"stage": 1, "compute_grad_norm": False}, gradient_clipping=0),
+        dict(gradient_clipping=-1),  # DeepSpeed: no clipping
+        dict(steps_per_print=None, wall_clock_breakdown=True),
+        dict(fp16={"enabled": False, "loss_scale": 0, "initial_scale_power": 12}),
+        dict(zero_optimization={"offload_optimizer": {"device": "none", "pin_memory": True}}),
+        dict(prescale_gradients=True, gradient_predivide_factor=2.0),
+    ],
+)
+def test_values_deepspeed_accepts_load(extra):
+    load_config(cfg(**extra))
 
 
 def test_other_optimizers_are_out_of_scope():

@@ -80,7 +80,9 @@ def test_unmanaged_counters_follow_the_micro_batches_actually_run():
 def reference(optimizer_cls, lr, steps, n_per_step, gas, scale, clip):
     """Plain torch: accumulate, clip with torch's own clip_grad_norm_, step."""
     model = tiny_model(0)
-    opt = optimizer_cls(model.parameters(), lr=lr)
+    # No torch_adam in the config: DeepSpeed's FusedAdam, whose weight_decay default is 0.0.
+    defaults = {"weight_decay": 0.0} if optimizer_cls is torch.optim.AdamW else {}
+    opt = optimizer_cls(model.parameters(), lr=lr, **defaults)
     for step, n in enumerate(n_per_step[:steps]):
         for micro in range(n):
             x, y = micro_batch(0, step, micro, 0, 2)

@@ -9,6 +9,7 @@ import torch
 from parity_support import ADAM, ADAMW, SGD, TOL, assert_same, run_case
 from parity_support import config as shared_config
 
+from gas_lab.config import load_config
 from gas_lab.dp import clip_by_norm
 from gas_lab.engine import initialize
 from gas_lab.lessons.toys import micro_batch, tiny_model
@@ -155,7 +156,7 @@ def test_a_param_group_of_mixed_dtypes_is_refused():
         torch.nn.Parameter(torch.zeros(3)),
         torch.nn.Parameter(torch.zeros(3, dtype=torch.float64)),
     ]
-    cfg = type("Cfg", (), {"gradient_clipping": 0.0})()
+    cfg = load_config({"train_micro_batch_size_per_gpu": 1, "gradient_clipping": 0.0})
     with pytest.raises(TypeError, match="one dtype"):
         ShardedUpdate(params, torch.optim.SGD(params, lr=0.1), None, cfg)
     with pytest.raises(ValueError, match="reduce must be"):

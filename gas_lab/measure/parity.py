@@ -256,7 +256,8 @@ def reference_params(
     Each step takes every micro-batch every rank would run (``micro_batches`` as in
     ``parity.train``), averages the loss over all of their samples (every sample weighs the
     same), clips at ``clip`` if it is > 0, and takes one step of the optimizer the config
-    names (built as DeepSpeed builds it: type "Adam" is AdamW). Runs anywhere; no collectives.
+    names, built as DeepSpeed builds it (type "Adam" is AdamW; without ``torch_adam``,
+    FusedAdam's defaults: :mod:`gas_lab.optimizers`). Runs anywhere; no collectives.
     If ``grad_norms`` is a list, each step's gradient norm (before clipping) is appended to it.
     A step without data anywhere steps on zero gradients, as DeepSpeed's engines do (stage 0),
     or, with ``skip_empty``, does not update (a loop that skips it: lesson 07).
