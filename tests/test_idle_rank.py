@@ -78,10 +78,12 @@ def test_gas_lab_does_what_deepspeed_does_or_refuses_as_it_fails():
     assert checked == len(_find(lib="gas_lab", loop="raw")) >= 16
 
 
-def test_gas_lab_at_stage_1_refuses_the_idle_rank_as_deepspeed_fails():
-    (case,) = _find(lib="gas_lab", stage=1, managed=False, clip=1.0, schedule="idle", loop="raw")
+@pytest.mark.parametrize("stage, raises", [(1, "IndexError"), (2, "TypeError")])
+def test_gas_lab_at_stages_1_and_2_refuses_the_idle_rank_as_deepspeed_fails(stage, raises):
+    (case,) = _find(lib="gas_lab", stage=stage, managed=False, clip=1.0, schedule="idle",
+                    loop="raw")  # fmt: skip
     idle, busy = case["ranks"]
-    assert (idle["exception"], idle["refused_as"]) == ("RejectedCombination", "IndexError")
+    assert (idle["exception"], idle["refused_as"]) == ("RejectedCombination", raises)
     assert busy["outcome"] == "raised" and "closed by peer" in busy["message"]
 
 
@@ -101,7 +103,7 @@ def test_all_ranks_idle_at_stage_0_is_a_trap():
 # ---------------------------------------------------------------- live, on the ranks
 LIVE = [
     (lib, stage, managed)
-    for lib, stages in (("deepspeed", (0, 1, 2, 3)), ("gas_lab", (0, 1)))
+    for lib, stages in (("deepspeed", (0, 1, 2, 3)), ("gas_lab", (0, 1, 2)))
     for stage in stages
     for managed in (False, True)
 ]

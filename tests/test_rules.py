@@ -55,6 +55,8 @@ NOT_IN_MATRIX = {
     "coalesce_nested",
     "idle_rank_stage1",
     "idle_window_stage1",
+    "idle_rank_stage2",
+    "idle_window_stage2",
     "idle_window_stage0_clipping",
 }
 
@@ -121,6 +123,9 @@ def test_predict_walks_the_ops():
     gas2 = {**zero1, "gradient_accumulation_steps": 2, "train_batch_size": 2}
     assert prediction.predict(gas2, ["step", "backward", "step"]) == (None, None)
     assert prediction.predict(gas2, ["step", "step"])[0].name == "idle_window_stage1"
+    zero2 = {"zero_optimization": {"stage": 2}}
+    assert prediction.predict({**idle, **zero2}, ["step"])[0].name == "idle_rank_stage2"
+    assert prediction.predict({**gas2, **zero2}, ["step", "step"])[0].name == "idle_window_stage2"
     assert prediction.predict(base, ["step"])[0].name == "idle_window_stage0_clipping"
     assert prediction.predict({**base, "gradient_clipping": 0.0}, ["step"]) == (None, None)
 

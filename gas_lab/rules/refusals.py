@@ -343,6 +343,32 @@ ALL_RULES: list[Rule] = [
         lambda s: not _unmanaged(s) and _stage(s) == 1 and s.idle,
     ),
     Rule(
+        "idle_rank_stage2", "step", "call", (_MGA, "zero_optimization.stage=2", "step()"),
+        "unmanaged, ZeRO stage 2, step() on a rank that ran no backward() since its last step()",
+        "DeepSpeed's ZeRO-2 finalizes, inside an unmanaged step(), the gradient partition this "
+        "rank's backward() calls reduced into; with none the partition was never made and it "
+        "raises on this rank, while the other ranks wait in a collective and die when this "
+        "one does. Give an idle rank a dummy micro-batch whose loss is multiplied by 0.",
+        "a loop that trains here and crashes on DeepSpeed the first time a rank gets no data.",
+        "TypeError", "'NoneType' object is not subscriptable",
+        Example(config={**UNMANAGED, "zero_optimization": {"stage": 2}}, action="idle_step"),
+        lambda s: _unmanaged(s) and _stage(s) == 2 and s.idle,
+    ),
+    Rule(
+        "idle_window_stage2", "step", "call", ("zero_optimization.stage=2", "step()"),
+        "managed, ZeRO stage 2, the boundary step() on a rank that ran no backward() since "
+        "the last update",
+        "As at stage 1 (the same DeepSpeed code): the gradient norm is computed from the "
+        "partition the window's backward() calls reduced into, and a rank that ran none has "
+        "none. Give an idle rank dummy micro-batches whose loss is multiplied by 0.",
+        "with every rank idle, an update from zero gradients; with one rank idle, mismatched "
+        "collectives.",
+        "TypeError", "'NoneType' object is not iterable",
+        Example(config={"zero_optimization": {"stage": 2}, "gradient_accumulation_steps": 1},
+                action="idle_window"),
+        lambda s: not _unmanaged(s) and _stage(s) == 2 and s.idle,
+    ),
+    Rule(
         "idle_window_stage0_clipping", "step", "call",
         ("zero_optimization.stage=0", "gradient_clipping>0", "step()"),
         "managed, ZeRO stage 0, clipping on, the boundary step() on a rank that ran no "
