@@ -303,26 +303,10 @@ class ShardedUpdate:
     def state_dict(self) -> dict:
         """This rank's shard: its optimizer state and fp32 master shard (DeepSpeed writes the
         same two things into one ``zero_pp_rank_<r>`` file per rank)."""
-        return {
-            "optimizer": self.optimizer.state_dict(),
-            "masters": [g.master.detach().clone() for g in self.groups],
-            "layouts": [(g.layout.numels, g.layout.world_size) for g in self.groups],
-        }
+        return shard_state(self.optimizer, self.groups)
 
     def load_state_dict(self, state: dict, load_optimizer_states: bool = True) -> None:
-        layouts = [(tuple(g.layout.numels), g.layout.world_size) for g in self.groups]
-        if state is not None and [(tuple(n), w) for n, w in state["layouts"]] != layouts:
-            raise ValueError(
-                "this ZeRO-1 checkpoint was cut for another world size or model "
-                f"(saved {state['layouts']}, now {layouts}); gas_lab loads it only unchanged"
-            )
-        if load_optimizer_states:
-            self.optimizer.load_state_dict(state["optimizer"])
-        # The exact fp32 shards with the optimizer state, else rebuilt from the loaded weights.
-        saved = state["masters"] if load_optimizer_states else [None] * len(self.groups)
-        with torch.no_grad():
-            for g, master in zip(self.groups, saved, strict=True):
-                g.master.copy_(master if master is not None else g.flat[g.start : g.end])
+        load_shard_state(self.optimizer, self.groups, state, load_optimizer_states, "ZeRO-1")
 
     def destroy(self) -> None:
         """Take gas_lab's attributes off the model's parameters (``engine.destroy()``)."""
@@ -368,3 +352,31 @@ def global_norm(shards: list[torch.Tensor], group=None) -> torch.Tensor:
     if group is not None:
         dist.all_reduce(squares, group=group)  # 4 bytes: sum over ranks
     return squares.sqrt()
+
+
+# -- checkpoints: one shard per rank, shared by ZeRO-1 and ZeRO-2 -------------------------------
+def shard_state(optimizer, groups) -> dict:
+    """A rank's shard as a checkpoint holds it: optimizer state, fp32 masters, and the layout
+    they were cut with (a later load checks it)."""
+    return {
+        "optimizer": optimizer.state_dict(),
+        "masters": [g.master.detach().clone() for g in groups],
+        "layouts": [(g.layout.numels, g.layout.world_size) for g in groups],
+    }
+
+
+def load_shard_state(optimizer, groups, state, load_optimizer_states: bool, stage: str) -> None:
+    """Load :func:`shard_state`'s dict into ``groups``; refuse a shard cut for another layout."""
+    layouts = [(tuple(g.layout.numels), g.layout.world_size) for g in groups]
+    if state is not None and [(tuple(n), w) for n, w in state["layouts"]] != layouts:
+        raise ValueError(
+            f"this {stage} checkpoint was cut for another world size or model "
+            f"(saved {state['layouts']}, now {layouts}); gas_lab loads it only unchanged"
+        )
+    if load_optimizer_states:
+        optimizer.load_state_dict(state["optimizer"])
+    # The exact fp32 shards with the optimizer state, else rebuilt from the loaded weights.
+    saved = state["masters"] if load_optimizer_states else [None] * len(groups)
+    with torch.no_grad():
+        for g, master in zip(groups, saved, strict=True):
+            g.master.copy_(master if master is not None else g.flat[g.start : g.end])

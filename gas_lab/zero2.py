@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from gas_lab import precision
 from gas_lab.dp import clip_by_norm
-from gas_lab.zero1 import _FlatGroup
+from gas_lab.zero1 import _FlatGroup, load_shard_state, shard_state
 
 
 class PartitionedGradientUpdate:
@@ -215,25 +215,10 @@ class PartitionedGradientUpdate:
 
     # -- checkpoints: the same per-rank shard as ZeRO-1 ------------------------------------------
     def state_dict(self) -> dict:
-        return {
-            "optimizer": self.optimizer.state_dict(),
-            "masters": [g.master.detach().clone() for g in self.groups],
-            "layouts": [(g.layout.numels, g.layout.world_size) for g in self.groups],
-        }
+        return shard_state(self.optimizer, self.groups)
 
     def load_state_dict(self, state: dict, load_optimizer_states: bool = True) -> None:
-        layouts = [(tuple(g.layout.numels), g.layout.world_size) for g in self.groups]
-        if state is not None and [(tuple(n), w) for n, w in state["layouts"]] != layouts:
-            raise ValueError(
-                "this ZeRO-2 checkpoint was cut for another world size or model "
-                f"(saved {state['layouts']}, now {layouts}); gas_lab loads it only unchanged"
-            )
-        if load_optimizer_states:
-            self.optimizer.load_state_dict(state["optimizer"])
-        saved = state["masters"] if load_optimizer_states else [None] * len(self.groups)
-        with torch.no_grad():
-            for g, master in zip(self.groups, saved, strict=True):
-                g.master.copy_(master if master is not None else g.flat[g.start : g.end])
+        load_shard_state(self.optimizer, self.groups, state, load_optimizer_states, "ZeRO-2")
 
 
 def _owned_slices(offset: int, numel: int, shard_size: int) -> list[tuple[int, int, int]]:
