@@ -52,3 +52,12 @@ def test_known_noise_is_hidden(capsys):
     r0.stdout = "/usr/bin/ld: cannot find -laio: No such file or directory\nreal output\n"
     RankOutput([0], _NOISE).close([r0])
     assert capsys.readouterr().out == "[rank 0] real output\n"
+    # DeepSpeed's BF16_Optimizer reports memory at every start (lesson 08 starts a dozen)
+    r0.stdout = (
+        "begin bf16_optimizer\nMA 0.49 GB         Max_MA 0.49 GB         CA 0.49 GB         "
+        "Max_CA 0 GB \nCPU Virtual Memory:  used = 3.1 GB, percent = 13.2%\n"
+        "before initializing group 0\nafter initializing group 0\nend bf16_ optimizer\n"
+        "real output\n"
+    )
+    RankOutput([0], _NOISE).close([r0])
+    assert capsys.readouterr().out == "[rank 0] real output\n"

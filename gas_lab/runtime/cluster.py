@@ -47,10 +47,13 @@ from gas_lab.runtime.watch import RankWatch
 DEFAULT_TIMEOUT = 60.0  # seconds a call may run before its unfinished ranks count as stalled
 # Harmless lines DeepSpeed prints on a CPU-only machine while probing optional features
 # (async I/O needs libaio; a deprecation inside DeepSpeed), and its warning for the SGD the
-# lessons allow on purpose (zero_allow_untested_optimizer). Hidden so real output stands out.
+# lessons allow on purpose (zero_allow_untested_optimizer), and the memory report its
+# BF16_Optimizer prints at every start. Hidden so real output stands out.
 _NOISE = re.compile(
     r"cannot find -laio|collect2: error: ld returned|all_gather_into_tensor` is deprecated"
     r"|^\s+return func\(\*args, \*\*kwargs\)$|\[WARNING\].*untested optimizer"
+    r"|^(begin bf16_optimizer|end bf16_ optimizer|(before|after) initializing group \d+)$"
+    r"|^MA [\d.]+ GB +Max_MA|^CPU Virtual Memory: +used ="
 )
 
 
