@@ -122,6 +122,7 @@ def test_no_process_outlives_its_kernel(case):
         gone_after = time.monotonic() - t0
         assert _still_running(procs) == [], f"{case}: processes left after {gone_after:.1f} s"
         assert gone_after < GONE_WITHIN, f"{case}: took {gone_after:.1f} s"
+        print(f"{case}: {len(procs)} processes, all gone {gone_after:.1f} s after")
         deadline = time.monotonic() + 5
         while folder.exists() and time.monotonic() < deadline:
             time.sleep(0.1)
