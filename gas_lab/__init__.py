@@ -1,4 +1,4 @@
-"""gas_lab: gradient accumulation from one device to DDP to ZeRO-1 and -2, checked against DeepSpeed."""
+"""gas_lab: gradient accumulation from one device to DDP and ZeRO, checked against DeepSpeed."""
 
 from gas_lab.engine import initialize
 from gas_lab.runtime.cluster import RankError, RankStallError, start_cluster, stop_cluster
