@@ -169,18 +169,11 @@ class ShardedUpdate:
         self.max_norm = config.gradient_clipping
         self.config = config
         self.compute_norm = config.zero_optimization.compute_grad_norm
-        trainable = {id(p) for p in params if p.requires_grad and p.numel() > 0}
-        self.groups: list[_FlatGroup] = []
-        for param_group in optimizer.param_groups:
-            mine = [p for p in param_group["params"] if id(p) in trainable]
-            if not mine:
-                param_group["params"] = []
-                continue
-            flat_group = _FlatGroup(mine, self.world_size, self.rank,
-                                    config.zero_optimization.round_robin_gradients)  # fmt: skip
-            param_group["params"] = [flat_group.master]
-            self.groups.append(flat_group)
-            for p, offset in zip(mine, flat_group.layout.offsets, strict=True):
+        self.groups = flat_groups(params, optimizer, self.world_size, self.rank,
+                                  config.zero_optimization.round_robin_gradients)  # fmt: skip
+        for flat_group in self.groups:
+            # params and offsets in the flat vector's order (round_robin_gradients reorders)
+            for p, offset in zip(flat_group.params, flat_group.layout.offsets, strict=True):
                 # The names DeepSpeed's ZeRO-1 gives them, which safe_get_full_grad looks for.
                 p._hp_mapping = (group, flat_group, offset)
                 p.get_full_hp_grad = types.MethodType(full_gradient, p)
@@ -352,6 +345,23 @@ def global_norm(shards: list[torch.Tensor], group=None) -> torch.Tensor:
     if group is not None:
         dist.all_reduce(squares, group=group)  # 4 bytes: sum over ranks
     return squares.sqrt()
+
+
+def flat_groups(params, optimizer, world_size: int, rank: int, round_robin: bool = False):
+    """One :class:`_FlatGroup` per optimizer param group, whose fp32 master shard replaces the
+    group's parameters in the optimizer (so it only ever sees this rank's shard). Frozen and
+    empty parameters are left out. Shared by ZeRO-1 and ZeRO-2."""
+    trainable = {id(p) for p in params if p.requires_grad and p.numel() > 0}
+    groups: list[_FlatGroup] = []
+    for param_group in optimizer.param_groups:
+        mine = [p for p in param_group["params"] if id(p) in trainable]
+        if not mine:
+            param_group["params"] = []
+            continue
+        flat_group = _FlatGroup(mine, world_size, rank, round_robin)
+        param_group["params"] = [flat_group.master]
+        groups.append(flat_group)
+    return groups
 
 
 # -- checkpoints: one shard per rank, shared by ZeRO-1 and ZeRO-2 -------------------------------

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from gas_lab import precision
 from gas_lab.dp import clip_by_norm
-from gas_lab.zero1 import _FlatGroup, load_shard_state, shard_state
+from gas_lab.zero1 import flat_groups, load_shard_state, shard_state
 
 
 class PartitionedGradientUpdate:
@@ -55,16 +55,7 @@ class PartitionedGradientUpdate:
         self.average = config.gradient_allreduce_op == "mean"
         self.bucket_size = config.zero_optimization.reduce_bucket_size
         self.precision = precision.route(config)
-        trainable = {id(p) for p in params if p.requires_grad and p.numel() > 0}
-        self.groups: list[_FlatGroup] = []
-        for param_group in optimizer.param_groups:
-            mine = [p for p in param_group["params"] if id(p) in trainable]
-            if not mine:
-                param_group["params"] = []
-                continue
-            flat_group = _FlatGroup(mine, self.world_size, self.rank)
-            param_group["params"] = [flat_group.master]
-            self.groups.append(flat_group)
+        self.groups = flat_groups(params, optimizer, self.world_size, self.rank)
         self.optimizer = optimizer
         # This rank's partition of the accumulated, rank-averaged gradient: all it keeps
         # (allocated by the first reduction after an update, freed by the update).
