@@ -53,6 +53,17 @@ _NOISE = re.compile(
     r"|^\s+return func\(\*args, \*\*kwargs\)$|\[WARNING\].*untested optimizer"
 )
 
+# ipyparallel's hub admits a new engine only at a heartbeat after the engine first answered one:
+# with its default 3 s period, start-up waited 3-6 s for no reason. A fast period admits the
+# ranks within a fraction of a second; the number of missed beats tolerated is raised with it so
+# an engine (or the controller) still counts as gone only after 30 s of silence, as before.
+_HEARTBEAT_MS = 100
+_CONTROLLER_ARGS = [
+    f"--HeartMonitor.period={_HEARTBEAT_MS}",
+    f"--HeartMonitor.max_heartmonitor_misses={30_000 // _HEARTBEAT_MS}",
+]
+_ENGINE_ARGS = [f"--IPEngine.max_heartbeat_misses={30_000 // (_HEARTBEAT_MS + 500)}"]
+
 
 def _free_port() -> int:
     """A TCP port that is free on loopback right now."""
@@ -133,6 +144,8 @@ class Cluster(RankWatch):
             # (a kill), so ipyparallel's own stop at exit (seconds) is not wanted.
             profile_dir=os.path.join(self._tmp, "profile"),
             shutdown_atexit=False,
+            controller_args=_CONTROLLER_ARGS,
+            engine_args=_ENGINE_ARGS,
         )
         self._ipp.start_controller_sync(environment=marker)
         self._ipp.start_engines_sync(self.world_size, environment=env)
