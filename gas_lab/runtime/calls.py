@@ -64,7 +64,9 @@ class Call:
     def _wait(self) -> None:
         start = time.monotonic()
         deadline, first_bad, next_look, noted = start + self.timeout, None, 0.0, set()
-        while not all(f.ready() for f in self.futures):
+        # A rank that died never answers (nothing relays its death to ipyparallel): once every
+        # other rank has answered, there is nothing left to wait for.
+        while any(r not in self.died for r in self.unfinished()):
             self.out.pump(self.futures)
             now = time.monotonic()
             if now >= next_look:
