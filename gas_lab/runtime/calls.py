@@ -27,7 +27,9 @@ from gas_lab.runtime.streaming import RankOutput
 ERROR_GRACE = 5.0  # after one rank fails, how long the others get to finish before we stop waiting
 STOP_GRACE = 3.0  # how long an interrupted rank gets to stop its work before the ranks restart
 STARTUP_LIMIT = 900.0  # the longest a call waits for ranks that are still starting up
-RESAMPLE = 10.0  # while waiting past the timeout for start-up work, look again this often
+# While waiting past the timeout for start-up work, look again this often: start-up that ends
+# in a stall (ZeRO-3's initialize, then a collective nobody joins) is caught within a second.
+RESAMPLE = 1.0
 
 
 def _failed(f) -> bool:
@@ -64,7 +66,9 @@ class Call:
     def _wait(self) -> None:
         start = time.monotonic()
         deadline, first_bad, next_look, noted = start + self.timeout, None, 0.0, set()
-        while not all(f.ready() for f in self.futures):
+        # A rank that died never answers (nothing relays its death to ipyparallel): once every
+        # other rank has answered, there is nothing left to wait for.
+        while any(r not in self.died for r in self.unfinished()):
             self.out.pump(self.futures)
             now = time.monotonic()
             if now >= next_look:

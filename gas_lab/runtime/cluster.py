@@ -56,6 +56,27 @@ _NOISE = re.compile(
     r"|^MA [\d.]+ GB +Max_MA|^CPU Virtual Memory: +used ="
 )
 
+# ipyparallel's hub admits a new engine only at a heartbeat after the engine first answered one:
+# with its default 3 s period, start-up waited 3-6 s for no reason. A fast period admits the
+# ranks within a fraction of a second; the number of missed beats tolerated is raised with it so
+# an engine (or the controller) still counts as gone only after 30 s of silence, as before.
+_HEARTBEAT_MS = 100
+_CONTROLLER_ARGS = [
+    f"--HeartMonitor.period={_HEARTBEAT_MS}",
+    f"--HeartMonitor.max_heartmonitor_misses={30_000 // _HEARTBEAT_MS}",
+]
+_ENGINE_ARGS = [
+    f"--IPEngine.max_heartbeat_misses={30_000 // (_HEARTBEAT_MS + 500)}",
+    # ipyparallel's "nanny" (one more Python process per rank, started while the rank registers)
+    # relays signals and deaths through the controller; the runtime signals ranks by pid and
+    # watches them itself, so it is not needed.
+    "--IPEngine.enable_nanny=False",
+    # A rank starts before the controller has written its connection file (below) and waits for
+    # it; a loaded machine can take seconds to start the controller.
+    "--IPEngine.wait_for_url_file=120",
+]
+_RANK_CMD = [sys.executable, "-m", "gas_lab.runtime.rank_process"]
+
 
 def _free_port() -> int:
     """A TCP port that is free on loopback right now."""
@@ -101,6 +122,7 @@ class Cluster(RankWatch):
 
     def _start(self) -> Cluster:
         import ipyparallel as ipp
+        from traitlets.config import Config
 
         t0 = time.perf_counter()
         self.stopped_by_user = False
@@ -136,6 +158,13 @@ class Cluster(RankWatch):
             # (a kill), so ipyparallel's own stop at exit (seconds) is not wanted.
             profile_dir=os.path.join(self._tmp, "profile"),
             shutdown_atexit=False,
+            controller_args=_CONTROLLER_ARGS,
+            # The ranks start together with the controller and import torch while it starts
+            # (rank_process.py); each waits for the controller's connection file itself.
+            send_engines_connection_env=False,
+            config=Config(
+                LocalEngineSetLauncher={"engine_cmd": _RANK_CMD, "engine_args": _ENGINE_ARGS}
+            ),
         )
         self._ipp.start_controller_sync(environment=marker)
         self._ipp.start_engines_sync(self.world_size, environment=env)

@@ -38,6 +38,11 @@ CONFIG = {
 }
 
 
+# A right handler runs a case's steps in well under a second once DeepSpeed is started (the
+# solution: 0.6 s for all its cases), so a case still running after 5 s has hung.
+HANG_TIMEOUT = 5.0
+
+
 def _start_deepspeed() -> None:
     """On a rank: import DeepSpeed and start its communication layer (tens of seconds on fresh
     ranks, nothing afterwards), so that the timeouts below time the learner's loop only."""
@@ -218,7 +223,7 @@ def check_rpc_step(fn: Callable, cluster) -> Verdict:
         def run():
             cluster.run(_start_deepspeed, timeout=300)
             try:
-                return table, run_on_ranks(cluster, _rpc_run, fn, table, timeout=10)
+                return table, run_on_ranks(cluster, _rpc_run, fn, table, timeout=HANG_TIMEOUT)
             except (RankError, RankStallError) as err:  # mismatched collectives: the hang
                 return table, err
 
