@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from gas_lab.dp import init_from_env
+from gas_lab.dp import end_rank, init_from_env
 from gas_lab.lessons import rollouts
 
 
@@ -114,7 +114,7 @@ def main() -> None:
             "seconds": round(time.perf_counter() - t0, 3),
         }
         print(json.dumps(summary), flush=True)
-    dist.destroy_process_group()
+    end_rank()  # skips a teardown that sometimes aborts after the work is done
 
 
 if __name__ == "__main__":
