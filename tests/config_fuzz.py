@@ -105,17 +105,9 @@ def outcome(case: Case) -> tuple[str, str]:
     """("clear" | "unclear" | "accepted", the error message or "")."""
     import gas_lab
     from gas_lab.errors import GasLabError
-    from gas_lab.lessons.toys import micro_batch, tiny_model
 
     try:
-        model = tiny_model(0)
-        engine, _, _, _ = gas_lab.initialize(
-            model=model, model_parameters=model.parameters(), config=case.config()
-        )
-        for micro in range(engine.gradient_accumulation_steps()):
-            x, y = micro_batch(0, 0, micro, 0, engine.train_micro_batch_size_per_gpu())
-            engine.backward(torch.nn.functional.mse_loss(engine(x), y))
-            engine.step()
+        _one_step(gas_lab.initialize, case.config())
     except Exception as err:  # the point: sort whatever is raised
         message = f"{type(err).__name__}: {err}"
         names_key = case.path[-1] in str(err) or (
@@ -126,20 +118,24 @@ def outcome(case: Case) -> tuple[str, str]:
     return "accepted", ""
 
 
+def _one_step(initialize, config: dict) -> None:
+    """initialize, then one optimizer step (GAS micro-batches) on the tiny model."""
+    from gas_lab.lessons.toys import micro_batch, tiny_model
+
+    model = tiny_model(0)
+    engine, _, _, _ = initialize(model=model, model_parameters=model.parameters(), config=config)
+    for micro in range(engine.gradient_accumulation_steps()):
+        x, y = micro_batch(0, 0, micro, 0, engine.train_micro_batch_size_per_gpu())
+        engine.backward(torch.nn.functional.mse_loss(engine(x), y))
+        engine.step()
+
+
 def deepspeed_outcome(case: Case) -> str:
     """ "accepted" or the exception DeepSpeed 0.19.8 raises, in initialize or the first step."""
-    from gas_lab.lessons.toys import micro_batch, tiny_model
     from gas_lab.measure.parity import deepspeed_initialize
 
     try:
-        model = tiny_model(0)
-        engine, _, _, _ = deepspeed_initialize()(
-            model=model, model_parameters=model.parameters(), config=case.config()
-        )
-        for micro in range(engine.gradient_accumulation_steps()):
-            x, y = micro_batch(0, 0, micro, 0, engine.train_micro_batch_size_per_gpu())
-            engine.backward(torch.nn.functional.mse_loss(engine(x), y))
-            engine.step()
+        _one_step(deepspeed_initialize(), case.config())
     except Exception as err:  # the point: sort whatever is raised
         return f"{type(err).__name__}: {str(err)[:120]}"
     return "accepted"
