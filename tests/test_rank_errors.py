@@ -145,7 +145,8 @@ def test_a_first_deepspeed_start_is_start_up_work_not_a_stall(tmp_path):
         timeout=900,
         env=os.environ | {"DS_ACCELERATOR": "cpu"},
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    # The head says what gas_lab decided (start-up work, stall, death); the tail where it ended.
+    assert proc.returncode == 0, proc.stderr[:3000] + "\n...\n" + proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["same"] and result["seconds"] > 3
     assert "start-up work, so the call waits for it" in proc.stderr

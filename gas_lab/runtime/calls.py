@@ -30,6 +30,10 @@ STARTUP_LIMIT = 900.0  # the longest a call waits for ranks that are still start
 # While waiting past the timeout for start-up work, look again this often: start-up that ends
 # in a stall (ZeRO-3's initialize, then a collective nobody joins) is caught within a second.
 RESAMPLE = 1.0
+# ... but a C++ op build takes a minute or more and nothing about it changes in a second: look
+# less often, so that the stack samples (a signal to each rank) and the stale-lock checks stay
+# rare while a build and the ranks waiting for its lock are in flight.
+RESAMPLE_BUILD = 10.0
 
 
 def _failed(f) -> bool:
@@ -93,7 +97,8 @@ class Call:
                         )
                     if s.kind == "build_lock":
                         build_lock.clear_stale_locks(say=lambda m: print(m, file=sys.stderr))
-                deadline = now + RESAMPLE
+                building = any(s.kind in ("building", "build_lock") for s in starting.values())
+                deadline = now + (RESAMPLE_BUILD if building else RESAMPLE)
             time.sleep(0.05)
 
     def _stop_work(self, ranks: list[int]) -> str | None:
