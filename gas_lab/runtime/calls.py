@@ -95,9 +95,10 @@ class Call:
                             f"start-up work, so the call waits for it (up to {STARTUP_LIMIT:g} s)",
                             file=sys.stderr,
                         )
-                    if s.kind == "build_lock":
-                        build_lock.clear_stale_locks(say=lambda m: print(m, file=sys.stderr))
-                building = any(s.kind in ("building", "build_lock") for s in starting.values())
+                kinds = {s.kind for s in starting.values()}
+                if "build_lock" in kinds:  # one check covers every waiting rank's lock
+                    build_lock.clear_stale_locks(say=lambda m: print(m, file=sys.stderr))
+                building = bool(kinds & {"building", "build_lock"})
                 deadline = now + (RESAMPLE_BUILD if building else RESAMPLE)
             time.sleep(0.05)
 
