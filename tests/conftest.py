@@ -11,3 +11,11 @@ def cluster():
     c = gas_lab.start_cluster(world_size=2, device="cpu")
     yield c
     gas_lab.stop_cluster()
+
+
+@pytest.fixture(autouse=True)
+def _first_try():
+    """Every test checks an exercise from a first wrong try (the hint comes on the second)."""
+    from gas_lab.lessons.exercises.verdict import reset_tries
+
+    reset_tries()

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from gas_lab.lessons.exercises.verdict import ExerciseFailed
+from gas_lab.lessons.exercises.verdict import ExerciseFailed, reset_tries
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -41,15 +41,35 @@ def assert_todo(verdict):
 
 
 def assert_failed(verdict, case, *words):
-    """A wrong answer fails on ``case``, the message names the mistake (every one of ``words``),
-    a hint follows, and strict mode raises."""
+    """A first wrong answer fails on ``case`` and the message names what differs (every one of
+    ``words``); the hint that gives the fix is held back (``verdict.hint()`` has it), and strict
+    mode raises."""
     assert verdict.status == "failed", str(verdict)
     assert f"case '{case}'" in verdict.message, verdict.message
     for word in words:
         assert word in verdict.message, verdict.message
-    assert verdict.details and verdict.details[0].startswith("Hint:")
+    assert verdict.fix and verdict.hint().startswith("Hint:"), verdict.hint()
+    assert not any(d.startswith("Hint:") for d in verdict.details), str(verdict)
+    assert verdict.fix not in str(verdict), str(verdict)
     with pytest.raises(ExerciseFailed):
         verdict.raise_if_failed()
+
+
+def first_try(check, *args, **kwargs):
+    """``check(*args)`` as a learner's first wrong try (earlier checks in the test forgotten)."""
+    reset_tries()
+    return check(*args, **kwargs)
+
+
+def assert_hint_on_second_try(check, *words):
+    """The same wrong answer checked twice: the second verdict shows the hint (every one of
+    ``words`` in it)."""
+    first, second = check(), check()
+    assert not any(d.startswith("Hint:") for d in first.details), str(first)
+    hints = [d for d in second.details if d.startswith("Hint:")]
+    assert hints, str(second)
+    for word in words:
+        assert word in hints[0], hints[0]
 
 
 def without_launcher_env(monkeypatch):

@@ -1,7 +1,7 @@
 """Lesson 02 checkers: solutions pass, untouched stubs are 'todo', typical mistakes are named."""
 
 import pytest
-from exercise_support import assert_failed, assert_todo, load_solutions, todo
+from exercise_support import assert_failed, assert_todo, first_try, load_solutions, todo
 
 from gas_lab.lessons.exercises.lesson02 import (
     buckets,
@@ -67,16 +67,20 @@ def _always_one_bucket(grads, bucket_bytes):
 @pytest.mark.ranks
 def test_bucket_mistakes_are_named(cluster):
     assert_failed(
-        check_bucketed_average(_per_tensor, cluster),
+        first_try(check_bucketed_average, _per_tensor, cluster),
         "one bucket holds everything",
         "one all-reduce per tensor",
         "[232]",
     )
     assert_failed(
-        check_bucketed_average(_no_copy_back, cluster), "one bucket holds everything", "copy"
+        first_try(check_bucketed_average, _no_copy_back, cluster),
+        "one bucket holds everything",
+        "copy",
     )
-    assert_failed(check_bucketed_average(_sum, cluster), "one bucket holds everything", "2x")
-    verdict = check_bucketed_average(_always_one_bucket, cluster)
+    assert_failed(
+        first_try(check_bucketed_average, _sum, cluster), "one bucket holds everything", "2x"
+    )
+    verdict = first_try(check_bucketed_average, _always_one_bucket, cluster)
     assert_failed(verdict, "128-byte buckets", "a bucket of 232 bytes is larger")
     assert verdict.cases_passed == 1
 
@@ -129,13 +133,13 @@ def test_the_given_loop_is_measured_and_explained(cluster):
 @pytest.mark.ranks
 def test_replica_mistakes_are_named(cluster):
     assert_failed(
-        check_replicas(_every_rank_seeded_as_rank_1, cluster),
+        first_try(check_replicas, _every_rank_seeded_as_rank_1, cluster),
         "1 step(s) of 2 micro-batches",
         "the ranks agree",
         "rank 0's initial weights",
     )
     assert_failed(
-        check_replicas(_reduce_per_parameter, cluster),
+        first_try(check_replicas, _reduce_per_parameter, cluster),
         "1 step(s) of 2 micro-batches",
         "right parameters, but 4 all-reduces in 1 steps",
     )

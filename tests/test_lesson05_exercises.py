@@ -1,7 +1,7 @@
 """Lesson 05 checkers: solutions pass, untouched stubs are 'todo', typical mistakes are named."""
 
 import pytest
-from exercise_support import assert_failed, assert_todo, load_solutions, todo
+from exercise_support import assert_failed, assert_todo, first_try, load_solutions, todo
 
 from gas_lab.lessons.exercises.lesson05 import (
     TRAFFIC,
@@ -63,16 +63,18 @@ def _sum(micro_grads, group):
 
 
 def test_shard_mistakes_are_named(cluster):
-    verdict = check_shard_accumulation(_accumulate_then_reduce, cluster)
+    verdict = first_try(check_shard_accumulation, _accumulate_then_reduce, cluster)
     assert_failed(verdict, "3 micro-batch(es), 58 elements", "asked for before", "reduce-scattered")
     assert verdict.cases_passed == 1  # one micro-batch: nothing to keep in between
     assert_failed(
-        check_shard_accumulation(_all_reduce_and_slice, cluster),
+        first_try(check_shard_accumulation, _all_reduce_and_slice, cluster),
         "1 micro-batch(es), 58 elements",
         "right shard, but 1 all-reduces",
         "WHOLE",
     )
-    assert_failed(check_shard_accumulation(_sum, cluster), "1 micro-batch(es), 58 elements", "2x")
+    assert_failed(
+        first_try(check_shard_accumulation, _sum, cluster), "1 micro-batch(es), 58 elements", "2x"
+    )
 
 
 # ---------------------------------------------------------------- exercise 2

@@ -13,6 +13,7 @@ import math
 
 from gas_lab.lessons.exercises.on_ranks import run_on_ranks
 from gas_lab.lessons.exercises.verdict import Verdict, check_cases
+from gas_lab.lessons.exercises.verdict import hint as hint  # lessonNN.hint()
 from gas_lab.runtime.rank_errors import RankError, RankStallError
 
 

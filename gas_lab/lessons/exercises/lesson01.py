@@ -24,6 +24,7 @@ from gas_lab.accumulate import (
     token_loss,
 )
 from gas_lab.lessons.exercises.verdict import Verdict, check_cases
+from gas_lab.lessons.exercises.verdict import hint as hint  # lessonNN.hint()
 from gas_lab.lessons.toys import (
     TinySeqModel,
     flat_params,

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from gas_lab.config import ConfigError, parse
 from gas_lab.lessons.exercises.on_ranks import measured_once
 from gas_lab.lessons.exercises.verdict import Verdict, answer_for, check_cases
+from gas_lab.lessons.exercises.verdict import hint as hint  # lessonNN.hint()
 from gas_lab.rules import matrix, prediction
 from gas_lab.rules.refusals import Rule, Situation, first_violation
 

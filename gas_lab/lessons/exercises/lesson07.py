@@ -28,6 +28,7 @@ from gas_lab.accumulate import (
 from gas_lab.dp import global_count
 from gas_lab.lessons.exercises.on_ranks import run_on_ranks
 from gas_lab.lessons.exercises.verdict import Verdict, check_cases
+from gas_lab.lessons.exercises.verdict import hint as hint  # lessonNN.hint()
 from gas_lab.lessons.rollouts import capstone_config, reference_run, rollouts, to_device
 from gas_lab.lessons.toys import TinyTransformer, flat_params
 

@@ -20,6 +20,7 @@ import torch
 from gas_lab.accumulate import Batch, Window, compare_grads, full_batch_gradient, grads_of
 from gas_lab.accumulate import token_loss as _token_loss
 from gas_lab.lessons.exercises.verdict import Verdict, check_cases
+from gas_lab.lessons.exercises.verdict import hint as hint  # lessonNN.hint()
 from gas_lab.lessons.rollouts import rollouts
 from gas_lab.lessons.toys import TinyTransformer, flat_params, micro_batch, tiny_model
 

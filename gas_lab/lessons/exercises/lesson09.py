@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from gas_lab.lessons.exercises.on_ranks import measured_once, run_on_ranks
 from gas_lab.lessons.exercises.verdict import Verdict, answer_for, check_cases
+from gas_lab.lessons.exercises.verdict import hint as hint  # lessonNN.hint()
 from gas_lab.lessons.toys import tiny_model
 from gas_lab.measure.memory import project_census
 from gas_lab.zero1 import Layout
