@@ -43,7 +43,15 @@ import pytest
 import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
-LESSONS = sorted((ROOT / "tutorials").glob("[0-9][0-9]_*.ipynb"))
+# The lessons (00_..09_) and the appendices (A1_..), held to the same rules.
+NOTEBOOK_GLOBS = ("[0-9][0-9]_*.ipynb", "A[0-9]_*.ipynb")
+
+
+def notebooks_in(folder: Path) -> list[Path]:
+    return sorted(p for pattern in NOTEBOOK_GLOBS for p in folder.glob(pattern))
+
+
+LESSONS = notebooks_in(ROOT / "tutorials")
 
 # A number token: 1,024 / 1024 / 0.5 / 1e-6 / 33% / 4x / 3rd / 1B (a multiplier) ...; not part
 # of an identifier (fp32, bf16, lesson00, tensor_backward_stage0) nor of a name like ZeRO-1.
@@ -82,7 +90,7 @@ def pinned_deepspeed() -> str:
 
 def agenda_minutes() -> dict[str, int]:
     """Learner minutes per lesson, from the agenda's table (`| 03 managed ... | 14.3 | 20 |`)."""
-    rows = re.findall(r"^\| (\d\d) [^|]*\|[^|]*\| (\d+) \|$", _agenda_text(), re.MULTILINE)
+    rows = re.findall(r"^\| (\d\d|A\d) [^|]*\|[^|]*\| (\d+) \|$", _agenda_text(), re.MULTILINE)
     return {lesson: int(minutes) for lesson, minutes in rows}
 
 
@@ -443,7 +451,7 @@ def count(folder: Path | None = None) -> None:
     """
     global LESSONS
     if folder is not None:
-        LESSONS = sorted(folder.glob("[0-9][0-9]_*.ipynb"))
+        LESSONS = notebooks_in(folder)
     total = unchecked = 0
     for path in LESSONS:
         tokens, findings = check_notebook(Notebook.read(path))
