@@ -93,11 +93,9 @@ def parse(argv: list[str] | None = None, world: int | None = None) -> argparse.N
             args.library, args.stage, args.mode, args.micro_batches, args.steps, world
         )
     except tl.PlanError as e:
-        hint = " (start 2 ranks: python -m torch.distributed.run --nproc_per_node 2 -m gas_lab.timeline ...)"  # fmt: skip
-        parser.error(
-            f"argument --{e.argument.replace('_', '-')}: {e.reason}"
-            + (hint if world == 1 and "rank" in e.reason else "")
-        )
+        alone = world == 1 and len(args.micro_batches) > 1  # not started by a launcher?
+        hint = " (start the ranks with python -m torch.distributed.run --nproc_per_node N)"
+        parser.error(f"argument --{e.argument.replace('_', '-')}: {e.reason}{hint * alone}")
     if not args.out.parent.is_dir():
         parser.error(f"argument --out: {args.out.parent} is not a directory")
     if args.gradient_clipping < 0:

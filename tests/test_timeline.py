@@ -8,6 +8,7 @@ that gas_lab's sequence is DeepSpeed's. The rest runs without ranks on hand-made
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -383,3 +384,13 @@ def test_explorer_without_ipywidgets_is_the_static_figure(monkeypatch):
     monkeypatch.setattr(tp, "w", None)
     fig = tp.timeline_explorer(FakeCluster(), stage=1)
     assert isinstance(fig, matplotlib.figure.Figure) and fig.axes
+
+
+def test_the_docs_snippet_runs(capsys):
+    """docs/concepts/timeline.md's notebook code, as written (ranks answered by FakeCluster)."""
+    text = (ROOT / "docs" / "concepts" / "timeline.md").read_text()
+    (snippet,) = re.findall(r"```python\n(.*?)```", text, re.DOTALL)
+    cluster = FakeCluster()
+    exec(snippet, {"cluster": cluster})
+    assert [c["library"] for c in cluster.calls] == ["gas_lab", "deepspeed", "gas_lab"]
+    capsys.readouterr()

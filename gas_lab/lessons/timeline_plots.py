@@ -231,7 +231,7 @@ def _draw_call(ax: Axes, p: Placed, y: int):
     if e.name in ("forward", "backward") and e.micro is not None:
         labels = [f"{e.name[0].upper()}{e.micro}"]
     elif kind == "update":
-        labels = ["update", "upd"]
+        labels = ["step"]
     else:
         return
     colour = "white" if kind in ("backward", "update") else "black"
@@ -247,7 +247,7 @@ def _draw_collective(ax: Axes, p: Placed, y: int):
                 color="white", edgecolor=colour, hatch="///", linewidth=0.8)  # fmt: skip
     ax.barh(y + off, p.x1 - p.ready, left=p.ready, height=height, align="edge",
             color=colour, edgecolor="white", linewidth=1)  # fmt: skip
-    labels = [f"{e.name.removesuffix('_into_tensor')}\n{_bytes(e.bytes)}", _bytes(e.bytes)]
+    labels = [f"{e.kind}\n{_bytes(e.bytes)}", _bytes(e.bytes)]  # the kind, as in the legend
     width = p.x1 - p.ready
     _label(ax, labels, (p.ready + p.x1) / 2, y + off + height / 2, width, "white")
 
@@ -258,7 +258,7 @@ def _bytes(n: int) -> str:
 
 def _label(ax: Axes, candidates: list[str], x: float, y: float, width: float, colour: str):
     text = ax.text(x, y, candidates[0], ha="center", va="center", color=colour,
-                   linespacing=1.0, zorder=4)  # fmt: skip
+                   linespacing=1.15, zorder=4)  # fmt: skip
     text._gas_lab_candidates = candidates  # the shorter spellings to try if it does not fit
     text._gas_lab_box = (x - width / 2, x + width / 2)
     text.set_in_layout(False)
@@ -305,10 +305,10 @@ def _legend(fig: Figure, runs: Sequence[Sequence[Event]]) -> None:
     handles = [
         Patch(color=CALL_COLOURS["forward"], label="forward (F)"),
         Patch(color=CALL_COLOURS["backward"], label="backward (B)"),
-        Patch(color=CALL_COLOURS["update"], label="step: update"),
+        Patch(color=CALL_COLOURS["update"], label="step (updates)"),
     ]
     if any(not e.boundary for e in steps):
-        handles.append(Patch(color=CALL_COLOURS["count"], label="step: count only"))
+        handles.append(Patch(color=CALL_COLOURS["count"], label="step (counts only)"))
     kinds = sorted({c.kind for c in collectives(events)}, key=list(KIND_COLOURS).index)
     handles += [Patch(color=KIND_COLOURS.get(k, OTHER_COLOUR), label=k) for k in kinds]
     if any(p.ready > p.x0 for run in runs for p in layout(run) if p.event.cat == "collective"):
@@ -320,8 +320,9 @@ def _legend(fig: Figure, runs: Sequence[Sequence[Event]]) -> None:
 def plot_side_by_side(
     runs: Mapping[str, Sequence[Event]], *, time: str = "logical", title: str | None = None
 ) -> Figure:
-    """One timeline per library, stacked (gas_lab above, DeepSpeed below), on one x axis in
-    logical time: the same sequence looks the same."""
+    """One timeline per run, stacked in the order given, each titled by its key ("gas_lab" and
+    "deepspeed" read as the libraries' names), on one x axis in logical time: the same sequence
+    looks the same. ``{"gas_lab": ours, "deepspeed": theirs}`` puts gas_lab above DeepSpeed."""
     n_rows = sum(len(ranks(ev)) for ev in runs.values())
     fig, axes = plt.subplots(
         len(runs),
@@ -331,11 +332,14 @@ def plot_side_by_side(
         sharex=time == "logical",
     )
     axes = [axes] if len(runs) == 1 else list(axes)
-    for ax, (library, events) in zip(axes, runs.items(), strict=True):
+    for ax, (name, events) in zip(axes, runs.items(), strict=True):
         plot_timeline(events, time=time, ax=ax, legend=False)
-        ax.set_title(LIBRARY_TITLES.get(library, library), loc="left")
+        ax.set_title(LIBRARY_TITLES.get(name, name), loc="left")
         if ax is not axes[-1]:
             ax.set_xlabel("")
+    if time == "logical":  # one shared axis: wide enough for the longest run
+        longest = max(max(p.x1 for p in layout(events)) for events in runs.values())
+        axes[0].set_xlim(0, longest * 1.02)
     _legend(fig, list(runs.values()))
     if title:
         fig.suptitle(title)

@@ -19,7 +19,9 @@ the updated parameter shards. Both broadcast every parameter once at initialize.
 all-reduces in every backward(); stage 3 also gathers weights in forward() and reduce-scatters
 in backward() (lesson 09 counts them phase by phase: :class:`Phase`).
 
-:func:`ring_bytes` turns a log into a *model* of the bytes each rank sends on a ring.
+:func:`ring_bytes` turns a log into a *model* of the bytes each rank sends on a ring. Each call
+also keeps when it ran and the torch.distributed function it reached, for timelines
+(:mod:`gas_lab.measure.timeline`).
 """
 
 from __future__ import annotations

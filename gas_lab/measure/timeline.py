@@ -190,8 +190,8 @@ def check_plan(
     if len(counts) != world:
         raise PlanError(
             "micro_batches",
-            f"{shown} gives {len(counts)} counts but {world} rank{'s' * (world > 1)} run: one "
-            "count per rank (or one for all)",
+            f"{shown} gives {len(counts)} counts for {world} rank{'s' * (world > 1)}: one count "
+            "per rank (or one for all)",
         )
     if min(counts) < 1:
         raise PlanError("micro_batches", f"{shown}: every rank needs at least 1 micro-batch")
