@@ -182,6 +182,17 @@ def test_figures_from_recorded_runs_are_readable(recorded):
     assert top == bottom
 
 
+@pytest.mark.ranks
+def test_explorer_on_the_ranks_draws_a_recorded_run(cluster, capsys):
+    box = tp.timeline_explorer(cluster)  # gas_lab, stage 0, unmanaged, N = 3, 1
+    (events,) = box.recorded.values()
+    assert [tl.signature(events, r) for r in range(W)] == [
+        expected(0, "unmanaged", n) for n in RAGGED
+    ]
+    assert "<svg" in box._repr_mimebundle_()["text/html"]
+    capsys.readouterr()
+
+
 def _assert_readable(fig):
     """At most 800 px wide on a page, no text under 9 pt, no two labels overlapping, every
     label inside its bar."""
