@@ -54,3 +54,26 @@ def test_torch_and_deepspeed_calls_counted_once(cluster):
             ("broadcast", "torch.distributed.broadcast", 40, 2),
         ]
         assert inner == [("all_gather", "deepspeed.comm.all_gather_into_tensor")]
+
+
+def _named_and_timed():
+    import deepspeed
+    import torch
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    with count_collectives() as log:
+        deepspeed.comm.allgather_fn(torch.empty(20), torch.ones(10))  # DeepSpeed's own name
+        dist.all_reduce(torch.ones(3))
+    first, second = log.calls
+    in_order = first.start_ns < first.end_ns <= second.start_ns < second.end_ns
+    return [(c.function, c.op) for c in log.calls], in_order
+
+
+@pytest.mark.ranks
+def test_each_call_is_named_as_the_torch_function_it_reached_and_timed(cluster):
+    for named, in_order in cluster.run(_named_and_timed):
+        assert named == [
+            ("deepspeed.comm.allgather_fn", "all_gather_into_tensor"),
+            ("torch.distributed.all_reduce", "all_reduce"),
+        ]
+        assert in_order

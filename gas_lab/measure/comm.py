@@ -19,7 +19,9 @@ the updated parameter shards. Both broadcast every parameter once at initialize.
 all-reduces in every backward(); stage 3 also gathers weights in forward() and reduce-scatters
 in backward() (lesson 09 counts them phase by phase: :class:`Phase`).
 
-:func:`ring_bytes` turns a log into a *model* of the bytes each rank sends on a ring.
+:func:`ring_bytes` turns a log into a *model* of the bytes each rank sends on a ring. Each call
+also keeps when it ran and the torch.distributed function it reached, for timelines
+(:mod:`gas_lab.measure.timeline`).
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ import functools
 import inspect
 import sys
 import threading
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -75,6 +78,12 @@ class Collective:
     bytes: int  # size of the full buffer: the largest tensor argument (a list counts summed)
     group_size: int  # ranks taking part
     dtype: str = ""  # of the first tensor argument, e.g. "float32" ("" for a barrier)
+    # For timelines (gas_lab.measure.timeline), left out of comparisons: the torch.distributed
+    # function the call reached ("all_gather_into_tensor" under DeepSpeed's allgather_fn), and
+    # time.perf_counter_ns() when the call entered and left the wrapper.
+    op: str = field(default="", compare=False)
+    start_ns: int = field(default=0, compare=False)
+    end_ns: int = field(default=0, compare=False)
 
 
 class CollectiveLog:
@@ -115,7 +124,8 @@ class CollectiveLog:
 
 _active: list[CollectiveLog] = []  # open blocks (they may nest); every call goes to each
 _saved: list[tuple[object, str, object]] = []  # (namespace, name, original) to restore
-_depth = threading.local()  # > 0 while inside a recorded call: inner calls are not recorded
+_depth = threading.local()  # n > 0 while inside a recorded call: inner calls are not recorded;
+# op: the torch.distributed function the outer call has reached so far
 _lock = threading.Lock()
 
 
@@ -160,26 +170,40 @@ def _recording(original, qualified: str, name: str):
     except (TypeError, ValueError):
         signature = None
 
+    torch_name = _is_torch_function(name)
+
     @functools.wraps(original)
     def wrapper(*args, **kwargs):
         depth = getattr(_depth, "n", 0)
-        if depth == 0 and _active:
-            call = Collective(
-                KINDS[name],
-                qualified,
-                _payload(args, kwargs),
-                _size(signature, args, kwargs),
-                _dtype(args, kwargs),
-            )
-            for log in _active:
-                log.calls.append(call)
-        _depth.n = depth + 1
+        if depth > 0:  # inside a recorded call: only note which torch function it reached
+            if torch_name and _depth.op is None:
+                _depth.op = name
+            _depth.n = depth + 1
+            try:
+                return original(*args, **kwargs)
+            finally:
+                _depth.n = depth
+        logs = list(_active)
+        described = (_payload(args, kwargs), _size(signature, args, kwargs), _dtype(args, kwargs))
+        _depth.n, _depth.op = 1, name if torch_name else None
+        start = time.perf_counter_ns()
         try:
             return original(*args, **kwargs)
         finally:
-            _depth.n = depth
+            end = time.perf_counter_ns()
+            call = Collective(
+                KINDS[name], qualified, *described, op=_depth.op or name, start_ns=start, end_ns=end
+            )
+            _depth.n, _depth.op = 0, None
+            for log in logs:
+                log.calls.append(call)
 
     return wrapper
+
+
+def _is_torch_function(name: str) -> bool:
+    # DeepSpeed's own spellings (allgather_fn, inference_all_reduce) are not torch's.
+    return callable(getattr(dist.distributed_c10d, name, None))
 
 
 def _payload(args, kwargs) -> int:

@@ -1,0 +1,475 @@
+"""Timelines: *when* each rank runs its ``forward``, ``backward`` and ``step`` calls, and which
+collectives each call issues, for gas_lab and for DeepSpeed alike.
+
+::
+
+    with record(engine) as events:        # on every rank
+        ...training loop...
+    # events: this rank's engine calls and collectives, with start and end times
+
+:func:`record` wraps the engine *instance*'s ``forward``, ``backward`` and ``step`` (the public
+API both libraries share) and records the collectives with
+:func:`gas_lab.measure.comm.count_collectives`, so a collective issued inside ``backward()``
+lies inside that call's span. Times are ``time.perf_counter_ns()`` minus an origin taken right
+after a barrier, so the ranks' rows line up. A collective is named as the ``torch.distributed``
+function it reached (``all_reduce``, ``all_gather_into_tensor``, ...), whichever library issued it,
+so the two libraries' records compare event by event.
+
+:func:`record_run` is the loop of ``python -m gas_lab.timeline`` (one toy model, one config,
+either library, ``micro_batches[r]`` micro-batches on rank r); :func:`record_on` runs it on a
+notebook's ranks. :func:`chrome_trace` turns events into a Chrome trace (Perfetto,
+``chrome://tracing``) and :func:`validate_trace` checks one. Drawing:
+:mod:`gas_lab.lessons.timeline_plots`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+import gas_lab
+from gas_lab.dp import init_from_env
+from gas_lab.lessons.toys import micro_batch, tiny_model
+from gas_lab.measure.comm import KINDS, count_collectives
+from gas_lab.measure.parity import quiet_deepspeed
+
+ENGINE_CALLS = ("forward", "backward", "step")
+LIBRARIES = ("gas_lab", "deepspeed")
+STAGES = (0, 1, 2)  # gas_lab builds stages 0-2, so both libraries compare there
+MODES = ("managed", "unmanaged")
+MICRO_BATCH_SIZE = 2  # samples per micro-batch, as in the lessons
+
+
+@dataclass(frozen=True)
+class Event:
+    """One engine call or one collective on one rank; times in ns since the run's origin."""
+
+    rank: int
+    cat: str  # "engine" or "collective"
+    name: str  # forward / backward / step, or the torch.distributed function
+    start_ns: int
+    end_ns: int
+    step: int | None  # the optimizer step (0-based) the call belongs to
+    micro: int | None  # its micro-batch within that step; None for an unmanaged step()
+    boundary: bool = False  # a step() that updated the weights (global_steps advanced)
+    bytes: int = 0  # collectives: the full buffer, as gas_lab.measure.comm counts it
+    group_size: int = 0
+    dtype: str = ""
+    function: str = ""  # collectives: what was called, e.g. "deepspeed.comm.allgather_fn"
+    parent: str = ""  # collectives: the engine call they ran inside ("" for none)
+
+    @property
+    def kind(self) -> str:
+        """A collective's kind (all_reduce, all_gather, ...), one word per idea."""
+        return KINDS.get(self.name, self.name)
+
+    def within(self, other: Event) -> bool:
+        return other.start_ns <= self.start_ns and self.end_ns <= other.end_ns
+
+
+def origin_ns() -> int:
+    """The run's time origin on this rank: right after a barrier, so rows line up."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+    return time.perf_counter_ns()
+
+
+@contextlib.contextmanager
+def record(engine, origin: int | None = None):
+    """Record ``engine``'s calls and the collectives inside the block (on every rank).
+
+    Yields a list that is filled, in start order, when the block ends. Call and micro-batch
+    indices are counted here: ``step`` = boundaries so far, ``micro`` = backward() calls since
+    the last boundary.
+    """
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    origin = origin_ns() if origin is None else origin
+    managed = engine.managed_gradient_accumulation()
+    calls: list[Event] = []
+    state = {"step": 0, "micro": 0, "depth": 0}
+
+    def timed(name, original):
+        def call(*args, **kwargs):
+            if state["depth"]:  # the engine calling itself: one call, recorded once
+                return original(*args, **kwargs)
+            step, micro = state["step"], state["micro"]
+            if name == "step":
+                micro = micro - 1 if managed else None  # managed: the micro-step it closes
+            steps_before = engine.global_steps
+            state["depth"] += 1
+            start = time.perf_counter_ns()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                end = time.perf_counter_ns()
+                state["depth"] -= 1
+                boundary = name == "step" and engine.global_steps != steps_before
+                calls.append(
+                    Event(rank, "engine", name, start - origin, end - origin, step, micro, boundary)
+                )
+                if name == "backward":
+                    state["micro"] += 1
+                if boundary:
+                    state["step"], state["micro"] = state["step"] + 1, 0
+
+        return call
+
+    events: list[Event] = []
+    for name in ENGINE_CALLS:  # on the instance: engine(x) and engine.step() both find it
+        setattr(engine, name, timed(name, getattr(engine, name)))
+    try:
+        with count_collectives() as log:
+            yield events
+    finally:
+        for name in ENGINE_CALLS:
+            delattr(engine, name)
+    events.extend(calls)
+    for c in log.calls:
+        start, end = c.start_ns - origin, c.end_ns - origin
+        parent = next((e for e in calls if e.start_ns <= start and end <= e.end_ns), None)
+        events.append(
+            Event(
+                rank,
+                "collective",
+                c.op,
+                start,
+                end,
+                parent.step if parent else None,
+                parent.micro if parent else None,
+                bytes=c.bytes,
+                group_size=c.group_size,
+                dtype=c.dtype,
+                function=c.function,
+                parent=parent.name if parent else "",
+            )
+        )
+    # Start order; a call before the collectives it contains.
+    events.sort(key=lambda e: (e.start_ns, e.cat != "engine"))
+
+
+class PlanError(ValueError):
+    """A run that cannot be recorded, with the argument to blame (``micro_batches``, ...)."""
+
+    def __init__(self, argument: str, reason: str):
+        super().__init__(f"{argument}: {reason}")
+        self.argument, self.reason = argument, reason
+
+
+def check_plan(
+    library: str, stage: int, mode: str, micro_batches: Sequence[int], steps: int, world: int
+) -> list[int]:
+    """The micro-batches of each rank, or a :class:`PlanError` naming what is wrong.
+
+    One count means every rank runs that many. Managed, the counts must be equal (it is
+    ``gradient_accumulation_steps``). At stage 2 every ``backward()`` reduces, so every rank
+    must call it equally often: different counts are refused rather than run, because
+    DeepSpeed then pairs one rank's gradient reduction with another's norm and raises or hangs.
+    """
+    if library not in LIBRARIES:
+        raise PlanError("library", f"{library!r} is not one of {', '.join(LIBRARIES)}")
+    if stage not in STAGES:
+        raise PlanError(
+            "stage", f"{stage!r}: choose 0, 1 or 2 (gas_lab builds ZeRO stages 0-2 only)"
+        )
+    if mode not in MODES:
+        raise PlanError("mode", f"{mode!r} is not one of {', '.join(MODES)}")
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise PlanError("steps", f"{steps!r}: at least 1 optimizer step")
+    counts = list(micro_batches)
+    shown = ",".join(str(n) for n in counts)
+    if not counts or any(isinstance(n, bool) or not isinstance(n, int) for n in counts):
+        raise PlanError("micro_batches", f"{shown or 'nothing'}: whole numbers, one per rank")
+    if len(counts) == 1:
+        counts = counts * world
+    if len(counts) != world:
+        raise PlanError(
+            "micro_batches",
+            f"{shown} gives {len(counts)} counts for {world} rank{'s' * (world > 1)}: one count "
+            "per rank (or one for all)",
+        )
+    if min(counts) < 1:
+        raise PlanError("micro_batches", f"{shown}: every rank needs at least 1 micro-batch")
+    if len(set(counts)) > 1 and mode == "managed":
+        raise PlanError(
+            "micro_batches",
+            f"{shown} differ, but managed mode runs gradient_accumulation_steps micro-batches "
+            "on every rank: use equal counts, or mode unmanaged",
+        )
+    if len(set(counts)) > 1 and stage == 2:
+        raise PlanError(
+            "micro_batches",
+            f"{shown} differ at stage 2, where every backward() reduces gradients: the ranks "
+            "would pair different collectives (DeepSpeed raises or hangs); use equal counts, "
+            "or stage 0/1",
+        )
+    return counts
+
+
+def config(stage: int, mode: str, gas: int, gradient_clipping: float = 1.0) -> dict:
+    """The run's DeepSpeed config: Adam from torch (no fused-Adam build), micro-batches of 2,
+    clipping explicit (1.0 is DeepSpeed's default; it adds a 4-byte norm all_reduce)."""
+    return {
+        "train_micro_batch_size_per_gpu": MICRO_BATCH_SIZE,
+        "gradient_accumulation_steps": gas,
+        "managed_gradient_accumulation": mode == "managed",
+        "gradient_clipping": gradient_clipping,
+        "zero_optimization": {"stage": stage},
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}},
+        "steps_per_print": 10**9,
+    }
+
+
+def _initialize(library: str):
+    if library == "gas_lab":
+        return gas_lab.initialize
+    init_from_env()  # DeepSpeed needs a process group (a group of one outside a launcher)
+    import deepspeed  # late: slow to import
+
+    # Its start-up report (config, memory) would bury the timeline's own lines.
+    logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
+    return deepspeed.initialize
+
+
+def record_run(
+    library: str = "gas_lab",
+    stage: int = 0,
+    mode: str = "managed",
+    micro_batches: Sequence[int] = (2,),
+    steps: int = 1,
+    gradient_clipping: float = 1.0,
+    seed: int = 0,
+) -> list[Event]:
+    """Train ``steps`` optimizer steps and return this rank's events (call on every rank).
+
+    Rank r runs ``micro_batches[r]`` micro-batches per step. Managed: ``step()`` after every
+    micro-batch, ``gradient_accumulation_steps`` = the count. Unmanaged: one ``step()`` after
+    the rank's micro-batches, each loss divided by the rank's own count with
+    ``scale_wrt_gas=False`` (with different counts per rank lesson 04's global count is the
+    right divisor; its extra all-reduce is left out so the trace holds the engine's
+    collectives only). Initialize's broadcasts are not recorded.
+    """
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    counts = check_plan(library, stage, mode, micro_batches, steps, world)
+    managed, n = mode == "managed", counts[rank]
+    model = tiny_model(seed)
+    engine = _initialize(library)(
+        model=model,
+        model_parameters=model.parameters(),
+        config=config(stage, mode, counts[0], gradient_clipping),
+    )[0]
+    with record(engine) as events, quiet_deepspeed():
+        for step in range(steps):
+            for micro in range(n):
+                x, y = micro_batch(seed, step, micro, rank, MICRO_BATCH_SIZE)
+                loss = torch.nn.functional.mse_loss(engine(x), y)
+                if managed:
+                    engine.backward(loss)
+                    engine.step()
+                else:
+                    engine.backward(loss / n, scale_wrt_gas=False)
+            if not managed:
+                engine.step()
+    return events
+
+
+def record_on(cluster, **kwargs) -> list[Event]:
+    """:func:`record_run` on a notebook's ranks (``gas_lab.start_cluster()``): every rank's
+    events, rank 0's first."""
+    return [e for events in cluster.run(record_run, **kwargs) for e in events]
+
+
+def gather(events: list[Event]) -> list[Event] | None:
+    """Every rank's events on rank 0 (None elsewhere); call on every rank, after recording."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return list(events)
+    everyone = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(list(events), everyone, dst=0)
+    return None if everyone is None else [e for events in everyone for e in events]
+
+
+# ---------------------------------------------------------------- queries
+def ranks(events: Sequence[Event]) -> list[int]:
+    return sorted({e.rank for e in events})
+
+
+def collectives(events: Sequence[Event], rank: int | None = None) -> list[Event]:
+    """The collectives (of ``rank``), in start order."""
+    return [e for e in events if e.cat == "collective" and rank in (None, e.rank)]
+
+
+def calls(events: Sequence[Event], rank: int | None = None, name: str | None = None) -> list[Event]:
+    """The engine calls (of ``rank``, named ``name``), in start order."""
+    return [
+        e for e in events if e.cat == "engine" and rank in (None, e.rank) and name in (None, e.name)
+    ]
+
+
+def signature(events: Sequence[Event], rank: int) -> list[tuple[str, str, int]]:
+    """(engine call, collective, bytes) of every collective of ``rank``, in order: what two
+    libraries must agree on."""
+    return [(c.parent, c.name, c.bytes) for c in collectives(events, rank)]
+
+
+# ---------------------------------------------------------------- Chrome trace
+LANE = 0  # one lane per rank: a collective nests under the call it ran inside
+LANE_NAME = "engine calls and collectives"
+
+
+def chrome_trace(events: Sequence[Event], **metadata) -> dict:
+    """The events as a Chrome trace (JSON object format): ``pid`` = rank, complete events
+    (``"ph": "X"``) with ``ts``/``dur`` in microseconds, ``cat`` "engine" or "collective".
+    ``metadata`` (library, stage, ...) goes to ``otherData``."""
+    out: list[dict] = []
+    for rank in ranks(events):
+        out += [
+            {"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank}"}},
+            {"name": "process_sort_index", "ph": "M", "pid": rank, "args": {"sort_index": rank}},
+            {"name": "thread_name", "ph": "M", "pid": rank, "tid": LANE, "args": {"name": LANE_NAME}},
+        ]  # fmt: skip
+    for e in sorted(events, key=lambda e: (e.rank, e.start_ns, e.cat != "engine")):
+        args = {"step": e.step, "micro_batch": e.micro}
+        if e.cat == "engine" and e.name == "step":
+            args["boundary"] = e.boundary
+        if e.cat == "collective":
+            args.update(
+                bytes=e.bytes,
+                kind=e.kind,
+                group_size=e.group_size,
+                dtype=e.dtype,
+                called=e.function,
+                inside=e.parent or None,
+            )
+        out.append(
+            {
+                "name": e.name,
+                "cat": e.cat,
+                "ph": "X",
+                # integer ns -> µs with 3 decimals: exact, so a child never pokes out of its parent
+                "ts": e.start_ns / 1000,
+                "dur": (e.end_ns - e.start_ns) / 1000,
+                "pid": e.rank,
+                "tid": LANE,
+                "args": args,
+            }
+        )
+    return {"traceEvents": out, "displayTimeUnit": "ms", "otherData": metadata}
+
+
+def events_from_trace(trace: dict) -> list[Event]:
+    """The events back from :func:`chrome_trace`'s output (after :func:`validate_trace`)."""
+    out = []
+    for t in trace["traceEvents"]:
+        if t.get("ph") != "X":
+            continue
+        a = t.get("args", {})
+        start = round(t["ts"] * 1000)
+        out.append(
+            Event(
+                t["pid"],
+                t["cat"],
+                t["name"],
+                start,
+                start + round(t["dur"] * 1000),
+                a.get("step"),
+                a.get("micro_batch"),
+                bool(a.get("boundary", False)),
+                a.get("bytes", 0),
+                a.get("group_size", 0),
+                a.get("dtype", ""),
+                a.get("called", ""),
+                a.get("inside") or "",
+            )
+        )
+    return out
+
+
+def validate_trace(trace: object) -> list[str]:
+    """What is wrong with ``trace`` as a timeline Chrome trace ([] when nothing is).
+
+    Checks the format the command promises: ``{"traceEvents": [...]}``; complete events with
+    name, cat ("engine" named forward/backward/step, or "collective" with ``args.bytes``), ph
+    "X", numeric ``ts`` and ``dur`` >= 0 (µs), integer ``pid`` (the rank) and ``tid``; a
+    ``process_name`` metadata event for every pid; a collective that starts inside an engine
+    call ends inside it too.
+    """
+    if not isinstance(trace, dict) or not isinstance(trace.get("traceEvents"), list):
+        return ['not a JSON object with a "traceEvents" list']
+    problems: list[str] = []
+    named, spans = set(), {}
+    for i, t in enumerate(trace["traceEvents"]):
+        found = _event_problems(t)
+        problems += [f"traceEvents[{i}]: {p}" for p in found]
+        if found:
+            continue
+        if t["ph"] == "M" and t["name"] == "process_name":
+            named.add(t["pid"])
+        elif t["ph"] == "X":
+            spans.setdefault((t["pid"], t["tid"]), []).append((t["ts"], t["ts"] + t["dur"], i))
+    for pid in sorted({p for p, _ in spans} - named):
+        problems.append(f'pid {pid}: no "process_name" metadata event')
+    for lane in spans.values():  # complete events on one lane must nest, never overlap
+        open_: list[tuple[float, float, int]] = []
+        for start, end, i in sorted(lane, key=lambda s: (s[0], -s[1])):
+            while open_ and open_[-1][1] <= start:
+                open_.pop()
+            if open_ and end > open_[-1][1]:
+                problems.append(
+                    f"traceEvents[{i}]: overlaps traceEvents[{open_[-1][2]}] without nesting"
+                )
+            open_.append((start, end, i))
+    return problems
+
+
+def _event_problems(t: object) -> list[str]:
+    if not isinstance(t, dict):
+        return ["not an object"]
+    problems = []
+    if not _is_int(t.get("pid")):
+        problems.append(f"pid {t.get('pid')!r} is not an integer rank")
+    ph = t.get("ph")
+    if ph == "M":
+        return problems
+    if ph != "X":
+        return [*problems, f'ph {ph!r}, expected "X" (complete) or "M" (metadata)']
+    for key in ("ts", "dur"):
+        value = t.get(key)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+            problems.append(f"{key} {value!r} is not a number >= 0 (µs)")
+    if not _is_int(t.get("tid")):
+        problems.append(f"tid {t.get('tid')!r} is not an integer")
+    cat, name, args = t.get("cat"), t.get("name"), t.get("args")
+    if cat == "engine":
+        if name not in ENGINE_CALLS:
+            problems.append(f"engine call {name!r} is not one of {', '.join(ENGINE_CALLS)}")
+    elif cat == "collective":
+        if name not in KINDS:
+            problems.append(f"{name!r} is not a torch.distributed collective")
+        nbytes = args.get("bytes") if isinstance(args, dict) else None
+        if not _is_int(nbytes) or nbytes < 0:
+            problems.append(f"args.bytes {nbytes!r} is not a byte count")
+    else:
+        problems.append(f'cat {cat!r}, expected "engine" or "collective"')
+    return problems
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def describe(events: Sequence[Event], rank: int) -> str:
+    """One line: what ``rank`` did, e.g. ``rank 0: 2 forward, 2 backward, 2 step; all_reduce
+    232 B in backward, all_reduce 4 B in step``."""
+    counts = {n: len(calls(events, rank, n)) for n in ENGINE_CALLS}
+    head = ", ".join(f"{v} {k}" for k, v in counts.items())
+    colls = ", ".join(
+        f"{c.name} {c.bytes} B" + (f" in {c.parent}" if c.parent else "")
+        for c in collectives(events, rank)
+    )
+    return f"rank {rank}: {head}; {colls or 'no collectives'}"
