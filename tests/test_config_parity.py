@@ -43,8 +43,8 @@ def fused(cluster):
 
 def _run(cfg, kw):
     """On a rank: one parity run, plus the optimizer class DeepSpeed built."""
-    from gas_lab.lessons.toys import tiny_model
     from gas_lab.measure.parity import deepspeed_initialize, run_parity
+    from gas_lab.toys import tiny_model
 
     r = run_parity(cfg, **kw)
     model = tiny_model(0)

@@ -12,8 +12,8 @@ def _run(kind, n, steps, lr=0.1):
 
     from gas_lab import dp
     from gas_lab.engine import initialize
-    from gas_lab.lessons.toys import micro_batch, tiny_model
     from gas_lab.measure.comm import count_collectives
+    from gas_lab.toys import micro_batch, tiny_model
 
     rank, world = dist.get_rank(), dist.get_world_size()
     mse = torch.nn.functional.mse_loss

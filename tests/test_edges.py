@@ -132,8 +132,8 @@ def test_schedules_step_where_deepspeed_steps_them(cluster):
 
 
 def _client_schedulers():
-    from gas_lab.lessons.toys import tiny_model
     from gas_lab.measure import edges
+    from gas_lab.toys import tiny_model
 
     out = {}
     for lib, stage in itertools.product(("gas_lab", "deepspeed"), (0, 1)):

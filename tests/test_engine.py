@@ -9,7 +9,7 @@ import torch
 
 from gas_lab.engine import initialize
 from gas_lab.errors import NotImplementedInGasLab, RejectedCombination
-from gas_lab.lessons.toys import micro_batch, tiny_model
+from gas_lab.toys import micro_batch, tiny_model
 
 
 @pytest.fixture(autouse=True)

@@ -12,7 +12,7 @@ from parity_support import config as shared_config
 from gas_lab.config import load_config
 from gas_lab.dp import clip_by_norm
 from gas_lab.engine import initialize
-from gas_lab.lessons.toys import micro_batch, tiny_model
+from gas_lab.toys import micro_batch, tiny_model
 from gas_lab.zero1 import ALIGNMENT, Layout, ShardedUpdate, global_norm
 
 
@@ -376,9 +376,9 @@ def _loop_by_op(lib, cfg, loop, steps=2, n=None):
     """
     import torch.distributed as dist
 
-    from gas_lab.lessons.toys import flat_params
     from gas_lab.measure.comm import count_collectives
     from gas_lab.measure.parity import deepspeed_initialize
+    from gas_lab.toys import flat_params
 
     init = initialize if lib == "gas_lab" else deepspeed_initialize()
     model = tiny_model(0)
@@ -446,7 +446,7 @@ def test_coalesce_grad_reduction_matches_deepspeed(cluster, cfg):
             [[]] * (gas - 1) + [["all_reduce", "all_gather"]]
         ) * 2
     # The same training as the loop without the block, and the replicas agree on it.
-    from gas_lab.lessons.toys import flat_params
+    from gas_lab.toys import flat_params
 
     plain = cluster.run(_loop_by_op, "gas_lab", cfg, "engine", timeout=60)
     for out, ref in zip(ranks, plain, strict=True):

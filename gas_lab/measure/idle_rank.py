@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from gas_lab.lessons.toys import flat_params, micro_batch, tiny_model
+from gas_lab.toys import flat_params, micro_batch, tiny_model
 
 SCHEDULES = {"idle": ((2, 2), (0, 2), (2, 2)), "all_idle": ((2, 2), (0, 0), (2, 2))}
 LOOPS = ("raw", "workaround")

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from gas_lab.lessons.fp16 import Fp16Loop
-from gas_lab.lessons.toys import flat_params, micro_batch, tiny_model
+from gas_lab.toys import flat_params, micro_batch, tiny_model
 
 FIELDS = ("scale", "applied", "skipped_steps", "global_steps", "global_samples", "micro_steps")
 

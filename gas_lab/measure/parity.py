@@ -25,9 +25,9 @@ import torch.distributed as dist
 from gas_lab import engine as gas_engine
 from gas_lab.config import load_config
 from gas_lab.dp import init_from_env
-from gas_lab.lessons.toys import flat_params, micro_batch, tiny_model
 from gas_lab.measure.comm import Phase, count_collectives
 from gas_lab.rules import refusals
+from gas_lab.toys import flat_params, micro_batch, tiny_model
 
 # A working base config for examples: tiny batches, Adam from torch (no fused-Adam JIT build).
 BASE_CONFIG = {

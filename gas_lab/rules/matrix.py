@@ -158,7 +158,7 @@ def cases() -> list[dict]:
 def _model(pipeline: bool):
     import torch
 
-    from gas_lab.lessons.toys import tiny_model
+    from gas_lab.toys import tiny_model
 
     if not pipeline:
         return tiny_model(0)
@@ -176,7 +176,7 @@ def _run_op(engine, op, state, contexts):
     import torch
     import torch.distributed as dist
 
-    from gas_lab.lessons.toys import micro_batch
+    from gas_lab.toys import micro_batch
 
     rank = dist.get_rank() if dist.is_initialized() else 0
     size = engine.train_micro_batch_size_per_gpu()

@@ -72,6 +72,23 @@ class Rule:
     applies: Callable[[Situation], bool] = field(repr=False, compare=False, default=None)
     gas_lab: str = SAME  # what gas_lab does about it, when not the same rejection
 
+    def __reduce__(self):
+        # Ranks send refusals back pickled, and ``applies`` is often a lambda, which does not
+        # pickle: a rule of ALL_RULES travels by name, any other without its condition.
+        if next((r for r in ALL_RULES if r.name == self.name), None) == self:
+            return rule_named, (self.name,)
+        fields = {k: v for k, v in vars(self).items() if k != "applies"}
+        return _rule_from_fields, (fields,)
+
+
+def rule_named(name: str) -> Rule:
+    """The rule of :data:`ALL_RULES` called ``name``."""
+    return next(r for r in ALL_RULES if r.name == name)
+
+
+def _rule_from_fields(fields: dict) -> Rule:
+    return Rule(**fields)
+
 
 def _unmanaged(s: Situation) -> bool:
     return not s.config.managed_gradient_accumulation

@@ -24,7 +24,7 @@ from gas_lab.accumulate import (
     token_loss,
 )
 from gas_lab.lessons.exercises.verdict import Verdict, check_cases
-from gas_lab.lessons.toys import (
+from gas_lab.toys import (
     TinySeqModel,
     flat_params,
     regression_batch,

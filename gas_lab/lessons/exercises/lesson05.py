@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from gas_lab.lessons.exercises.on_ranks import measured_once, run_on_ranks
 from gas_lab.lessons.exercises.verdict import Verdict, answer_for, check_cases
-from gas_lab.lessons.toys import micro_batch, tiny_model
+from gas_lab.toys import micro_batch, tiny_model
 from gas_lab.zero1 import Layout
 
 TOL = 1e-5  # float32 noise on vectors of ~60 numbers is ~1e-7

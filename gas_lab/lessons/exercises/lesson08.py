@@ -21,7 +21,7 @@ from gas_lab.accumulate import Batch, Window, compare_grads, full_batch_gradient
 from gas_lab.accumulate import token_loss as _token_loss
 from gas_lab.lessons.exercises.verdict import Verdict, check_cases
 from gas_lab.lessons.rollouts import rollouts
-from gas_lab.lessons.toys import TinyTransformer, flat_params, micro_batch, tiny_model
+from gas_lab.toys import TinyTransformer, flat_params, micro_batch, tiny_model
 
 TOL = 1e-5
 
