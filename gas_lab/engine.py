@@ -23,15 +23,15 @@ refused at ZeRO stage 0; at stages 1 and 2 it divides by GAS and reduces like
 ``engine.backward(loss)``, but only ``engine.backward()`` counts towards ``global_samples``.
 
 The "reduce, then update" part is delegated to a small strategy object
-(:mod:`gas_lab.update`), so that ZeRO-1 (:mod:`gas_lab.zero1`) and ZeRO-2
+(:mod:`gas_lab.deepspeed_compat.strategies`), so that ZeRO-1 (:mod:`gas_lab.zero1`) and ZeRO-2
 (:mod:`gas_lab.zero2`, which reduces in every backward: the engine calls the strategy's
 optional ``after_backward()``) replace it without touching the counting logic here.
 
 Taught in lessons 03 (managed, ``tutorials/03_managed.ipynb``) and 04 (unmanaged,
 ``tutorials/04_unmanaged.ipynb``). Lesson 08 (``tutorials/08_edges.ipynb``) adds what a real
 loop needs around it, each in its own module: the LR schedule stepped at applied updates
-(:mod:`gas_lab.schedules`), checkpoints (:mod:`gas_lab.checkpoint`), bf16
-(:mod:`gas_lab.precision`) and the data loader ``initialize`` returns (:mod:`gas_lab.loader`).
+(:mod:`gas_lab.deepspeed_compat.schedules`), checkpoints (:mod:`gas_lab.deepspeed_compat.checkpoint`), bf16
+(:mod:`gas_lab.deepspeed_compat.precision`) and the data loader ``initialize`` returns (:mod:`gas_lab.deepspeed_compat.loader`).
 """
 
 from __future__ import annotations
@@ -41,13 +41,13 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from gas_lab import checkpoint, loader, precision, schedules
-from gas_lab.config import GasConfig, load_config
+from gas_lab.deepspeed_compat import checkpoint, loader, precision, schedules
+from gas_lab.deepspeed_compat.config import GasConfig, load_config
+from gas_lab.deepspeed_compat.strategies import strategy_for
 from gas_lab.dp import broadcast_parameters, default_group
 from gas_lab.errors import NotImplementedInGasLab
 from gas_lab.rules import refusals
 from gas_lab.rules.refusals import Situation
-from gas_lab.update import strategy_for
 
 
 class Engine(torch.nn.Module):
@@ -261,7 +261,7 @@ class Engine(torch.nn.Module):
         The module keeps its trained weights and can be used without the engine."""
         self._strategy_hook("destroy")
 
-    # -- checkpoints (lesson 08, gas_lab/checkpoint.py) ------------------------------------------
+    # -- checkpoints (lesson 08, gas_lab/deepspeed_compat/checkpoint.py) ------------------------------------------
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True) -> bool:
         """Save on every rank; exact only at a boundary (gradients are not saved)."""
         return checkpoint.save(self, self._update, save_dir, tag, client_state, save_latest)
@@ -292,12 +292,12 @@ def initialize(
     lr_scheduler)``, the same four values (the last two None when not asked for).
 
     ``training_data``: a map-style Dataset; the third value is this rank's loader of
-    micro-batches (:mod:`gas_lab.loader`). ``lr_scheduler``: a scheduler object, or a callable
+    micro-batches (:mod:`gas_lab.deepspeed_compat.loader`). ``lr_scheduler``: a scheduler object, or a callable
     given the torch optimizer; it wins over the config's ``scheduler`` block
-    (:mod:`gas_lab.schedules`). The process group is ``group`` if given, else
+    (:mod:`gas_lab.deepspeed_compat.schedules`). The process group is ``group`` if given, else
     :func:`gas_lab.dp.default_group` (the default group, or one started from torchrun's
     variables as DeepSpeed would, or none). ``strategy`` is how the boundary reduces and
-    updates (:mod:`gas_lab.update`); None picks the one for the config's ZeRO stage.
+    updates (:mod:`gas_lab.deepspeed_compat.strategies`); None picks the one for the config's ZeRO stage.
     DeepSpeed's other arguments (args, mpu, ...) are refused rather than silently ignored.
     """
     unsupported = sorted(k for k, v in {"args": args, **more}.items() if v is not None)

@@ -9,7 +9,7 @@ all-gather the updated shards, so every rank again holds the whole model for the
 At the accumulation boundary (``gas_lab.engine`` decides when; this module decides how):
 
 1. **reduce** the gradients; rank r needs the averaged gradient of shard r. DeepSpeed 0.19.8
-   (the default here, :mod:`gas_lab.buckets`) cuts the gradient into buckets and, with its
+   (the default here, :mod:`gas_lab.deepspeed_compat.buckets`) cuts the gradient into buckets and, with its
    default ``use_multi_rank_bucket_allreduce``, all-reduces each one whole, so every rank
    receives every shard and keeps its own; with that key false it ``reduce``s each owner's
    slice to its owner. Two teaching variants (``reduce=``): ``"all_reduce"`` (the whole
@@ -30,7 +30,7 @@ attributes ``deepspeed.utils.safe_get_full_grad(param)`` looks for, so code that
 gradients the DeepSpeed way reads gas_lab's too.
 
 Taught in lesson 05 (``tutorials/05_zero1.ipynb``); lesson 08 adds bf16 (fp32 master shards,
-bf16 or fp32 accumulation, :mod:`gas_lab.precision`), the skipped update on a non-finite norm,
+bf16 or fp32 accumulation, :mod:`gas_lab.deepspeed_compat.precision`), the skipped update on a non-finite norm,
 ``"gradient_allreduce_op": "sum"`` and the per-rank checkpoint of a shard.
 """
 
@@ -42,7 +42,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from gas_lab import buckets, precision
+from gas_lab.deepspeed_compat import buckets, precision
 from gas_lab.dp import all_reduce_gradients, clip_by_norm
 
 # Shard sizes are a multiple of this many elements, as in DeepSpeed (4 bytes of fp16), so
@@ -115,7 +115,7 @@ class _FlatGroup:
         self.params = [params[i] for i in order]
         self.layout = Layout.of([p.numel() for p in self.params], world_size)
         # (offset, numel) of each parameter in the flat vector, in the group's own order: the
-        # order gradients are bucketed in (gas_lab.buckets).
+        # order gradients are bucketed in (gas_lab.deepspeed_compat.buckets).
         offsets = dict(zip(order, self.layout.offsets, strict=True))
         self.walk = [(offsets[i], params[i].numel()) for i in range(len(params))]
         self.start, self.end = self.layout.shard(rank)
@@ -148,13 +148,13 @@ class _FlatGroup:
 
 
 class ShardedUpdate:
-    """ZeRO-1 as a ``gas_lab.update.UpdateStrategy``: ``reduce_gradients()`` at the boundary,
+    """ZeRO-1 as a ``gas_lab.deepspeed_compat.strategies.UpdateStrategy``: ``reduce_gradients()`` at the boundary,
     then ``update()`` (clip, step the shard, all-gather).
 
     ``optimizer`` is a fresh torch optimizer over the model's parameters; its param groups are
     re-pointed at this rank's shards (DeepSpeed does the same), so ``optimizer.state`` holds
     only this rank's share. ``reduce`` is ``"deepspeed"`` (DeepSpeed's stage 1, following the
-    config's ``zero_optimization`` keys: :mod:`gas_lab.buckets`), or one of lesson 05's
+    config's ``zero_optimization`` keys: :mod:`gas_lab.deepspeed_compat.buckets`), or one of lesson 05's
     variants, ``"all_reduce"`` or ``"reduce_scatter"``. Frozen and empty parameters are left out, as in DeepSpeed. A
     parameter without a gradient on this rank is reduced as zeros; DeepSpeed 0.19.8 leaves it
     out of the buffer instead, which breaks the all-reduce when it is used on one rank only.

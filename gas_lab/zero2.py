@@ -32,13 +32,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from gas_lab import precision
+from gas_lab.deepspeed_compat import precision
 from gas_lab.dp import clip_by_norm
 from gas_lab.zero1 import flat_groups, load_shard_state, shard_state
 
 
 class PartitionedGradientUpdate:
-    """ZeRO-2 as a ``gas_lab.update.UpdateStrategy``: reduces from gradient hooks during every
+    """ZeRO-2 as a ``gas_lab.deepspeed_compat.strategies.UpdateStrategy``: reduces from gradient hooks during every
     backward() (the engine calls :meth:`after_backward` at its end), has nothing left to do at
     the boundary (:meth:`reduce_gradients`), then :meth:`update` as at ZeRO-1.
 

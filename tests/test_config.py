@@ -1,4 +1,4 @@
-"""gas_lab.config: DeepSpeed's defaults and batch arithmetic, stricter key/type checking."""
+"""gas_lab.deepspeed_compat.config: DeepSpeed's defaults and batch arithmetic, stricter key/type checking."""
 
 import os
 
@@ -6,8 +6,9 @@ import pytest
 import torch
 from config_support import deepspeed_builds, gas_lab_builds
 
-from gas_lab import deepspeed_keys, optimizers
-from gas_lab.config import load_config, resolve_batch
+from gas_lab.deepspeed_compat import keys as deepspeed_keys
+from gas_lab.deepspeed_compat import optimizers
+from gas_lab.deepspeed_compat.config import load_config, resolve_batch
 from gas_lab.errors import ConfigError, NotImplementedInGasLab, RejectedCombination
 from gas_lab.rules import refusals
 
@@ -33,7 +34,7 @@ def test_defaults_match_deepspeed():
     assert ours.zero_allow_untested_optimizer is theirs.zero_allow_untested_optimizer is False
 
 
-# -- the optimizer, per DeepSpeed path (gas_lab/optimizers.py) -----------------------------------
+# -- the optimizer, per DeepSpeed path (gas_lab/deepspeed_compat/optimizers.py) -----------------------------------
 TYPES = ("Adam", "AdamW", "adam", "adamw", "ADAM")
 SWITCH_VALUES = ("absent", True, False, None, 0, 1)
 
@@ -280,7 +281,7 @@ def test_every_deepspeed_key_is_modelled_or_refused_by_name():
         DeepSpeedZeroOffloadParamConfig,
     )
 
-    from gas_lab.config import GasConfig, ZeroConfig
+    from gas_lab.deepspeed_compat.config import GasConfig, ZeroConfig
 
     modelled = set(GasConfig.model_fields) - {"world_size"}
     refused = deepspeed_keys.NOT_SUPPORTED | deepspeed_keys.REMOVED

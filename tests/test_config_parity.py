@@ -149,8 +149,8 @@ def test_stage1_keys_issue_deepspeeds_collectives(cluster, name):
 def test_round_robin_changes_the_collectives():
     """The uneven model's per-owner reduces under round_robin_gradients differ from the plain
     order's (so the round-robin case above compares something)."""
-    from gas_lab.buckets import stage1_calls
-    from gas_lab.config import ZeroConfig
+    from gas_lab.deepspeed_compat.buckets import stage1_calls
+    from gas_lab.deepspeed_compat.config import ZeroConfig
     from gas_lab.zero1 import _FlatGroup
 
     plans = []
@@ -262,7 +262,7 @@ def _random_configs(seed, n):
     """On a rank: every case, gas_lab then DeepSpeed; one result row per case."""
     import random
 
-    from gas_lab.config import load_config
+    from gas_lab.deepspeed_compat.config import load_config
     from gas_lab.measure.parity import run_parity
 
     rng, rows = random.Random(seed), []

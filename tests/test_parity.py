@@ -69,7 +69,7 @@ def _batch_sizes(batches):
     import torch.distributed as dist
     from deepspeed.runtime.config import DeepSpeedConfig
 
-    from gas_lab.config import load_config
+    from gas_lab.deepspeed_compat.config import load_config
     from gas_lab.errors import ConfigError
 
     out = []

@@ -284,8 +284,8 @@ def _position(case, op) -> int:
 def test_gas_lab_routes_precision_to_deepspeeds_optimizer_wrapper():
     """Every accepted in-scope case: the wrapper DeepSpeed built (measured) is the one gas_lab's
     precision.route mirrors (the bare optimizer where DeepSpeed has none)."""
-    from gas_lab.config import load_config
-    from gas_lab.precision import route
+    from gas_lab.deepspeed_compat.config import load_config
+    from gas_lab.deepspeed_compat.precision import route
 
     checked = [c for c in CASES if in_scope(c) and c["outcome"] == "accepted"]
     wrappers = set()

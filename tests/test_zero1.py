@@ -9,7 +9,7 @@ import torch
 from parity_support import ADAM, ADAMW, SGD, TOL, assert_same, run_case
 from parity_support import config as shared_config
 
-from gas_lab.config import load_config
+from gas_lab.deepspeed_compat.config import load_config
 from gas_lab.dp import clip_by_norm
 from gas_lab.engine import initialize
 from gas_lab.toys import micro_batch, tiny_model
@@ -297,7 +297,7 @@ def _sharded_initialize(mode):
     """An initialize() like gas_lab's, with the reduction mode of ShardedUpdate chosen."""
     import torch.distributed as dist
 
-    from gas_lab.config import load_config
+    from gas_lab.deepspeed_compat.config import load_config
     from gas_lab.engine import Engine
 
     def init(model, model_parameters, config):

@@ -26,7 +26,7 @@ At ZeRO stage 0 DeepSpeed 0.19.8 does two more things, reproduced while
   (``unfused_optimizer.py:412-425``, ``fused_optimizer.py:125-130``), so Adam's bias correction
   counts one step more than a fresh Adam's.
 
-The loss scaler itself is :mod:`gas_lab.loss_scaling`; the whole topic is taught in lesson 07.
+The loss scaler itself is :mod:`gas_lab.deepspeed_compat.loss_scaling`; the whole topic is taught in lesson 07.
 """
 
 from __future__ import annotations
@@ -34,13 +34,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from gas_lab.config import parse, resolve_batch
+from gas_lab.deepspeed_compat.config import parse, resolve_batch
+from gas_lab.deepspeed_compat.loss_scaling import for_deepspeed
 from gas_lab.dp import all_reduce_mean, clip_by_norm, default_group, replicated_grad_norm
-from gas_lab.loss_scaling import for_deepspeed
 
 
 class Fp16Loop:
-    """fp16 model + fp32 masters + :func:`gas_lab.loss_scaling.for_deepspeed`'s scaler.
+    """fp16 model + fp32 masters + :func:`gas_lab.deepspeed_compat.loss_scaling.for_deepspeed`'s scaler.
 
     ``config`` is a DeepSpeed config dict (batch sizes, ``optimizer``, ``fp16``,
     ``gradient_clipping``, ``managed_gradient_accumulation``, ``zero_optimization.stage``). The

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from gas_lab import engine as gas_engine
-from gas_lab.config import load_config
+from gas_lab.deepspeed_compat.config import load_config
 from gas_lab.dp import init_from_env
 from gas_lab.measure.comm import Phase, count_collectives
 from gas_lab.rules import refusals
@@ -257,7 +257,7 @@ def reference_params(
     ``parity.train``), averages the loss over all of their samples (every sample weighs the
     same), clips at ``clip`` if it is > 0, and takes one step of the optimizer the config
     names, built as DeepSpeed builds it (type "Adam" is AdamW; without ``torch_adam``,
-    FusedAdam's defaults: :mod:`gas_lab.optimizers`). Runs anywhere; no collectives.
+    FusedAdam's defaults: :mod:`gas_lab.deepspeed_compat.optimizers`). Runs anywhere; no collectives.
     If ``grad_norms`` is a list, each step's gradient norm (before clipping) is appended to it.
     A step without data anywhere steps on zero gradients, as DeepSpeed's engines do (stage 0),
     or, with ``skip_empty``, does not update (a loop that skips it: lesson 07).

@@ -17,7 +17,7 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from gas_lab.config import parse
+from gas_lab.deepspeed_compat.config import parse
 from gas_lab.rules import matrix
 from gas_lab.rules.refusals import ALL_RULES, Rule, Situation, first_violation
 

@@ -36,7 +36,7 @@ from gas_lab.errors import NotImplementedInGasLab, RejectedCombination
 class Situation:
     """What a rule looks at: the validated config and what the caller is doing right now."""
 
-    config: Any  # a gas_lab.config.GasConfig (duck-typed so this module imports nothing)
+    config: Any  # a gas_lab.deepspeed_compat.config.GasConfig (duck-typed so this module imports nothing)
     action: str = "initialize"  # or an engine call: "step", "no_sync", "tensor.backward", ...
     inside_no_sync: bool = False
     pipeline: bool = False  # the model is a DeepSpeed PipelineModule
@@ -199,7 +199,7 @@ ALL_RULES: list[Rule] = [
         Example(config={**UNMANAGED, "compile": {"deepcompile": True}}),
         lambda s: _unmanaged(s) and s.config.compile.deepcompile,
     ),
-    # -- lesson 08: sum or mean, and the accumulation dtype (gas_lab/precision.py) -----------
+    # -- lesson 08: sum or mean, and the accumulation dtype (gas_lab/deepspeed_compat/precision.py) -----------
     Rule(
         "sum_stage3", "initialize", "initialize",
         ("gradient_allreduce_op=sum", "zero_optimization.stage=3"),

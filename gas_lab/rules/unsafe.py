@@ -35,10 +35,10 @@ import torch
 import torch.distributed as dist
 
 from gas_lab import engine as gas_engine
-from gas_lab.config import load_config
+from gas_lab.deepspeed_compat.config import load_config
+from gas_lab.deepspeed_compat.strategies import strategy_for
 from gas_lab.dp import default_group
 from gas_lab.rules import refusals
-from gas_lab.update import strategy_for
 
 BANNER = "UNSAFE TEACHING MODE: rules skipped: {}. Never train with this engine."
 # Skipping a rule about a feature gas_lab leaves out also lets that feature past scope checks.

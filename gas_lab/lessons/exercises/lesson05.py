@@ -177,10 +177,10 @@ def _measure_traffic(t: Traffic) -> dict[str, tuple[int, int]]:
     """On a rank: run ``t`` and count its collectives: {kind: (calls, bytes)}."""
     import functools
 
+    from gas_lab.deepspeed_compat.strategies import strategy_for
     from gas_lab.engine import initialize
     from gas_lab.measure.comm import count_collectives
     from gas_lab.measure.parity import deepspeed_initialize
-    from gas_lab.update import strategy_for
 
     if t.library == "gas_lab":
         init = functools.partial(initialize, strategy=strategy_for(1, reduce="reduce_scatter"))

@@ -18,7 +18,7 @@ import contextlib
 import io
 from collections.abc import Callable
 
-from gas_lab.config import ConfigError, parse
+from gas_lab.deepspeed_compat.config import ConfigError, parse
 from gas_lab.lessons.exercises.on_ranks import measured_once
 from gas_lab.lessons.exercises.verdict import Verdict, answer_for, check_cases
 from gas_lab.rules import matrix, prediction

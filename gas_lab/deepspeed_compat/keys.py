@@ -92,7 +92,7 @@ class _Strict(BaseModel):
 
 class Fp16Section(_Strict):
     """``fp16``: only ``enabled`` matters, and true is refused (lesson 07 has a loss scaler of its
-    own, :mod:`gas_lab.loss_scaling`); DeepSpeed's other keys are accepted and unused."""
+    own, :mod:`gas_lab.deepspeed_compat.loss_scaling`); DeepSpeed's other keys are accepted and unused."""
 
     enabled: bool = False
     auto_cast: bool = False

@@ -19,7 +19,7 @@ gas_lab accepts true, false, 0, 1 and null for them and refuses strings (``"no"`
 Type names: DeepSpeed lower-cases its own ("ADAM" is adam) and looks any other name up in
 ``torch.optim`` as written, so "SGD" works and "sgd" is refused (AssertionError).
 
-Read by :mod:`gas_lab.config` (lesson 03); ``tests/test_config.py`` holds every row against
+Read by :mod:`gas_lab.deepspeed_compat.config` (lesson 03); ``tests/test_config.py`` holds every row against
 DeepSpeed's own construction.
 """
 

@@ -24,7 +24,7 @@ from typing import Protocol
 
 import torch
 
-from gas_lab import buckets, precision
+from gas_lab.deepspeed_compat import buckets, precision
 from gas_lab.dp import clip_by_norm, replicated_grad_norm
 from gas_lab.zero1 import REDUCE_MODES, ShardedUpdate
 from gas_lab.zero2 import PartitionedGradientUpdate
@@ -57,7 +57,7 @@ class AllReduceUpdate:
     """ZeRO stage 0: every rank keeps all the weights and the whole optimizer state.
 
     ``reduce_gradients()`` averages the gradients over ranks, one all-reduce per bucket
-    (:func:`gas_lab.buckets.engine_all_reduce`, with DeepSpeed's ``prescale_gradients`` and
+    (:func:`gas_lab.deepspeed_compat.buckets.engine_all_reduce`, with DeepSpeed's ``prescale_gradients`` and
     ``gradient_predivide_factor``);
     ``update()`` clips, steps the optimizer and clears the gradients, identically on every rank,
     which keeps the replicas equal. Shaped like DeepSpeed's: gradients reduced in large buckets,
@@ -94,7 +94,7 @@ class AllReduceUpdate:
                 # A parameter unused on this rank still joins the collective: every rank must
                 # reduce buffers of the same layout, or the all-reduce mixes up tensors.
                 p.grad = torch.zeros_like(p)
-        # DeepSpeed's buckets of 5e8 elements, with its pre/post division (gas_lab/buckets.py).
+        # DeepSpeed's buckets of 5e8 elements, with its pre/post division (gas_lab/deepspeed_compat/buckets.py).
         grads = [p.grad for p in self.params]
         buckets.engine_all_reduce(grads, self.group, self.config, self.precision.communicate)
 

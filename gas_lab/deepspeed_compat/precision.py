@@ -26,7 +26,7 @@ on, fp32                  NotImplementedError          ``BF16_Optimizer``: every
 
 fp16 is refused on this CPU (``ValueError: Type fp16 is not supported on your device.``) and is
 out of gas_lab's scope everywhere. :func:`route` returns the :class:`Precision` of a config;
-``gas_lab.update`` and ``gas_lab.zero1`` follow it. A non-finite gradient norm *skips* the
+``gas_lab.deepspeed_compat.strategies`` and ``gas_lab.zero1`` follow it. A non-finite gradient norm *skips* the
 update (``skipped_steps``) except at stage 0 in fp32, where DeepSpeed has no check and an inf
 loss turns the weights into NaN. Taught in lesson 08 (``tutorials/08_edges.ipynb``).
 """
