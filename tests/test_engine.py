@@ -1,4 +1,4 @@
-"""gas_lab.engine on one process: counters, boundary, refusals, and a plain-torch reference.
+"""gas_lab's engine (gas_lab.initialize) on one process: counters, boundary, refusals, and a plain-torch reference.
 
 The 2-rank comparison against DeepSpeed itself is in test_parity.py (and, for ZeRO-1,
 coalesce_grad_reduction() and a direct loss.backward(), in test_zero1.py).
@@ -7,7 +7,7 @@ coalesce_grad_reduction() and a direct loss.backward(), in test_zero1.py).
 import pytest
 import torch
 
-from gas_lab.engine import initialize
+from gas_lab import initialize
 from gas_lab.errors import NotImplementedInGasLab, RejectedCombination
 from gas_lab.toys import micro_batch, tiny_model
 
@@ -189,8 +189,8 @@ def test_unsupported_deepspeed_arguments_are_refused_not_ignored():
     config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {}}}
     with pytest.raises(NotImplementedInGasLab, match="mpu"):
         initialize(model=model, config=config, mpu=object())
-    with pytest.raises(NotImplementedInGasLab, match="args"):
-        initialize(args=object(), model=model, config=config)
+    with pytest.raises(NotImplementedInGasLab, match="mesh_param"):
+        initialize(model=model, config=config, mesh_param=(2, 1))
     engine, _, loader, scheduler = initialize(model=model, config=config, training_data=None)
     assert loader is None and scheduler is None
 
@@ -225,8 +225,8 @@ def test_direct_backward_is_refused_at_stage_0_before_any_gradient(managed):
 
 def _counting_reductions(engine):
     calls = []
-    reduce = engine._update.reduce_gradients
-    engine._update.reduce_gradients = lambda: (calls.append(engine.micro_steps), reduce())[1]
+    reduce = engine.strategy.reduce_gradients
+    engine.strategy.reduce_gradients = lambda: (calls.append(engine.micro_steps), reduce())[1]
     return calls
 
 

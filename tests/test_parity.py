@@ -150,7 +150,7 @@ def _manual_loops():
     """Two managed-mode loops that parity.train does not cover, run on both libraries."""
     import torch
 
-    from gas_lab.engine import initialize
+    from gas_lab import initialize
     from gas_lab.measure.parity import BASE_CONFIG, deepspeed_initialize
     from gas_lab.toys import micro_batch, tiny_model
 

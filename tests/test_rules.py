@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gas_lab.engine import initialize
+from gas_lab import initialize
 from gas_lab.errors import ConfigError, RejectedCombination
 from gas_lab.rules import matrix, prediction, refusals
 from gas_lab.toys import tiny_model

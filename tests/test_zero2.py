@@ -14,7 +14,7 @@ from parity_support import ADAM, ADAMW, SGD
 from parity_support import config as shared_config
 from test_zero1 import PartlyFrozen
 
-from gas_lab.engine import initialize
+from gas_lab import initialize
 from gas_lab.toys import micro_batch, tiny_model, wide_mlp
 from gas_lab.zero2 import PartitionedGradientUpdate, _owned_slices
 
@@ -79,7 +79,7 @@ def _train(stage, optimizer, managed, clip, n_per_step, model_fn=tiny_model):
 def test_stage_2_on_one_process_is_stage_1(managed, n_per_step, optimizer, model_fn):
     two = _train(2, optimizer, managed, 0.05, n_per_step, model_fn)
     one = _train(1, optimizer, managed, 0.05, n_per_step, model_fn)
-    assert isinstance(two._update, PartitionedGradientUpdate)
+    assert isinstance(two.strategy, PartitionedGradientUpdate)
     for p, q in zip(two.module.parameters(), one.module.parameters(), strict=True):
         assert (p - q).abs().max().item() <= 1e-6
     assert max((p - q).abs().max() for p, q in zip(
@@ -243,7 +243,7 @@ def _checkpoint_round_trip(folder, cfg):
     import torch
     import torch.distributed as dist
 
-    from gas_lab.engine import initialize
+    from gas_lab import initialize
     from gas_lab.measure.parity import train
     from gas_lab.toys import flat_params, micro_batch
 

@@ -67,7 +67,7 @@ class Runner:
                 model=model, model_parameters=model.parameters(), config=config
             )[0]
         elif library == "gas_lab":
-            from gas_lab.engine import initialize
+            from gas_lab.deepspeed_compat.engine import initialize
 
             model.to(device)
             self.engine = initialize(

@@ -37,6 +37,7 @@ import torch.distributed as dist
 from gas_lab.deepspeed_compat.config import parse, resolve_batch
 from gas_lab.deepspeed_compat.loss_scaling import for_deepspeed
 from gas_lab.dp import all_reduce_mean, clip_by_norm, default_group, replicated_grad_norm
+from gas_lab.engine import is_boundary, samples_run
 
 
 class Fp16Loop:
@@ -102,7 +103,7 @@ class Fp16Loop:
         return loss
 
     def is_gradient_accumulation_boundary(self) -> bool:
-        return not self._managed or (self.micro_steps + 1) % self._gas == 0
+        return not self._managed or is_boundary(self.micro_steps, self._gas)
 
     def step(self) -> None:
         if self.is_gradient_accumulation_boundary():
@@ -111,7 +112,8 @@ class Fp16Loop:
             if self._managed:
                 self.global_samples += self._train_batch
             else:
-                self.global_samples += self._train_batch // self._gas * self._backward_count
+                world = self._train_batch // (self._micro * self._gas)
+                self.global_samples += samples_run(self._backward_count, self._micro, world)
             self._backward_count = 0
         self.micro_steps += 1
 

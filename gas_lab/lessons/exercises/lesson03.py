@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gas_lab.engine import initialize
+from gas_lab.deepspeed_compat.engine import initialize
 from gas_lab.lessons.exercises.on_ranks import measured_once
 from gas_lab.lessons.exercises.verdict import Verdict, answer_for, check_cases
 from gas_lab.measure.parity import reference_params

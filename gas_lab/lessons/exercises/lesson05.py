@@ -177,8 +177,8 @@ def _measure_traffic(t: Traffic) -> dict[str, tuple[int, int]]:
     """On a rank: run ``t`` and count its collectives: {kind: (calls, bytes)}."""
     import functools
 
+    from gas_lab.deepspeed_compat.engine import initialize
     from gas_lab.deepspeed_compat.strategies import strategy_for
-    from gas_lab.engine import initialize
     from gas_lab.measure.comm import count_collectives
     from gas_lab.measure.parity import deepspeed_initialize
 

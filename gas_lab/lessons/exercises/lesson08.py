@@ -108,7 +108,7 @@ def _train(engine, stream, sizes, start=0, stop=None):
 
 def _resume_case(fn: Callable, sizes: list[int], save_after: int) -> Callable[[], tuple]:
     def run():
-        from gas_lab.engine import initialize
+        from gas_lab.deepspeed_compat.engine import initialize
 
         stream = [micro_batch(0, 0, i, 0, 2) for i in range(sum(sizes))]
         reference, *_ = initialize(model=tiny_model(0), config=CONFIG)
@@ -183,7 +183,7 @@ def token_clock_lr(tokens_so_far: float, nominal: float) -> float:
 
 def _clock_case(fn: Callable, tokens: list[int], nominal: int) -> Callable[[], tuple]:
     def run():
-        from gas_lab.engine import initialize
+        from gas_lab.deepspeed_compat.engine import initialize
 
         engine, *_ = initialize(model=tiny_model(0), config={**CONFIG, "scheduler": SCHEDULE})
         got, seen = [], 0

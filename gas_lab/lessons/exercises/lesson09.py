@@ -146,7 +146,7 @@ SUM_CASES = {
 def _train_with_weight(case: str, weight: Callable) -> tuple:
     """On a rank: gas_lab's ZeRO-2 with the sum reduction and ``weight``; its parameters and
     those of the single-process reference (the mean over every real micro-batch)."""
-    from gas_lab.engine import initialize
+    from gas_lab.deepspeed_compat.engine import initialize
     from gas_lab.lessons.loops import equal_n_train
     from gas_lab.measure.parity import reference_params
     from gas_lab.measure.stages import config
