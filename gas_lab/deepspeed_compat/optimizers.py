@@ -19,17 +19,20 @@ gas_lab accepts true, false, 0, 1 and null for them and refuses strings (``"no"`
 Type names: DeepSpeed lower-cases its own ("ADAM" is adam) and looks any other name up in
 ``torch.optim`` as written, so "SGD" works and "sgd" is refused (AssertionError).
 
-Read by :mod:`gas_lab.deepspeed_compat.config` (lesson 03); ``tests/test_config.py`` holds every row against
-DeepSpeed's own construction.
+The keys of ``params`` are checked by one pydantic model per path (:data:`PARAMS`), the same
+mechanism as the rest of the config (:mod:`.config`). Read by :mod:`.config` (lesson 03);
+``tests/test_config.py`` holds every row against DeepSpeed's own construction.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 import torch
+from pydantic import BaseModel, BeforeValidator, ConfigDict, ValidationError
+from pydantic_core import PydanticCustomError
 
 from gas_lab.errors import ConfigError, NotImplementedInGasLab
 
@@ -40,23 +43,157 @@ DEEPSPEED_OPTIMIZERS = ("adagrad", "adam", "adamw", "lamb", "muadam", "muadamw",
 # default is 0.01 in torch, 0.0 here).
 FUSED_DEFAULTS = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
 
-# What each key of "params" is, per path. number/betas/flag: checked and passed on to the torch
-# optimizer (a null flag counts as false, as DeepSpeed's truthiness has it); switch: read by
-# gas_lab to choose the path; ignored: DeepSpeed takes it and it changes nothing gas_lab runs
-# (set_grad_none: zero_grad's behaviour; fp32_optimizer_states: CPU offload only); other: a
-# keyword DeepSpeed's optimizer takes that gas_lab does not model, refused as not supported.
-_ADAM = {"lr": "number", "betas": "betas", "eps": "number", "weight_decay": "number",
-         "amsgrad": "flag", "fp32_optimizer_states": "ignored", "torch_adam": "switch",
-         "adam_w_mode": "switch"}  # fmt: skip
-SPEC = {
-    "fused": {**_ADAM, "bias_correction": "flag", "set_grad_none": "ignored"},
-    "torch": {**_ADAM, "foreach": "flag", "maximize": "flag", "capturable": "other",
-              "differentiable": "other", "fused": "other", "decoupled_weight_decay": "other"},
-    "sgd": {"lr": "number", "momentum": "number", "dampening": "number", "weight_decay": "number",
-            "nesterov": "flag", "foreach": "flag", "maximize": "flag", "differentiable": "other",
-            "fused": "other"},
-}  # fmt: skip
+
+# -- the keys of "params", one pydantic model per path ------------------------------------------
+# A refusal is a PydanticCustomError whose type names what DeepSpeed raises for the value
+# ("TypeError", "AssertionError", ... or "not_supported" for what gas_lab leaves out); check()
+# turns the first one into a ConfigError of that type, naming the key.
+def _refuse(raises: str, reason: str):
+    return PydanticCustomError(raises, reason)
+
+
+class Passed:
+    """Marks a key passed on to the torch optimizer (the others choose the path or do nothing)."""
+
+
+PASSED = Passed()
+
+
+def _number(value, signed=False):
+    if value is None:
+        raise _refuse("TypeError", "null; DeepSpeed passes it to the optimizer, which raises "
+                      "TypeError (leave the key out for the default)")  # fmt: skip
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _refuse("TypeError", f"must be a number, got {value!r}")
+    if math.isnan(value) or math.isinf(value):
+        raise _refuse("ValueError", f"must be finite, got {value!r}")
+    if value < 0 and not signed:
+        raise _refuse("ValueError", f"must be >= 0, got {value!r} (torch raises ValueError; "
+                      "DeepSpeed's FusedAdam takes a negative lr as ascent and ignores a negative "
+                      "weight_decay)")  # fmt: skip
+    return value
+
+
+def _betas(value):
+    if value is None:
+        raise _refuse("TypeError", "null; DeepSpeed passes it to the optimizer, which raises "
+                      "TypeError (leave the key out for the default)")  # fmt: skip
+    ok = isinstance(value, (list, tuple)) and len(value) == 2
+    if ok and all(isinstance(b, (int, float)) and not isinstance(b, bool) for b in value):
+        if all(0.0 <= b < 1.0 for b in value):  # NaN fails this too
+            return tuple(value)
+        raise _refuse("ValueError", f"each beta must be in [0, 1), got {value!r}")
+    raise _refuse("TypeError", f"must be two numbers, got {value!r}")
+
+
+def _flag(value):
+    if value is not None and not isinstance(value, bool):
+        raise _refuse("ValueError", f"must be true, false or null, got {value!r}")
+    return value
+
+
+def _switch(value):
+    if value not in (None, True, False, 0, 1) or isinstance(value, float):
+        raise _refuse("ValueError", f"must be true, false, 0, 1 or null, got {value!r} "
+                      "(DeepSpeed reads it by truthiness: the string 'no' means true)")  # fmt: skip
+    return value
+
+
+def _max_grad_norm(value):
+    if value is None:  # any other value: refused by gas_lab.rules.refusals, as DeepSpeed
+        raise _refuse("TypeError", "null; DeepSpeed raises TypeError on it at initialize (use "
+                      "the top-level gradient_clipping)")  # fmt: skip
+    return value
+
+
+def _amsgrad_fused(value):
+    if _flag(value):
+        raise _refuse("RuntimeError", "FusedAdam (DeepSpeed's Adam without torch_adam) has no "
+                      "AMSGrad variant: DeepSpeed raises RuntimeError at initialize; add "
+                      '"torch_adam": true for torch\'s AMSGrad')  # fmt: skip
+    return value
+
+
+def _bias_correction(value):
+    if not _flag(value):  # FusedAdam then skips the bias correction; torch's Adam always applies it
+        raise _refuse("not_supported", f"{value!r} (no bias correction) is not supported by "
+                      "gas_lab; use deepspeed.initialize")  # fmt: skip
+    return value
+
+
+def _not_modelled(value):
+    raise _refuse("not_supported", "not supported by gas_lab (DeepSpeed passes it to the "
+                  "optimizer); remove it or use deepspeed.initialize")  # fmt: skip
+
+
+Number = Annotated[Any, BeforeValidator(_number), PASSED]
+SignedNumber = Annotated[Any, BeforeValidator(lambda v: _number(v, signed=True)), PASSED]
+Betas = Annotated[Any, BeforeValidator(_betas), PASSED]
+Flag = Annotated[Any, BeforeValidator(_flag), PASSED]
+Ignored = Annotated[Any, BeforeValidator(_flag)]  # DeepSpeed takes it; it changes nothing here
+Switch = Annotated[Any, BeforeValidator(_switch)]  # chooses the path (torch_adam, adam_w_mode)
+NotModelled = Annotated[Any, BeforeValidator(_not_modelled)]
+MaxGradNorm = Annotated[Any, BeforeValidator(_max_grad_norm)]
+
+
+class _Params(BaseModel):
+    # forbid: a key the optimizer does not take is DeepSpeed's TypeError, not a default.
+    model_config = ConfigDict(extra="forbid")
+    max_grad_norm: MaxGradNorm = None  # (refused as a rule, gas_lab.rules.refusals)
+
+
+class _AdamParams(_Params):
+    lr: Number = None
+    betas: Betas = None
+    eps: Number = None
+    weight_decay: Number = None
+    amsgrad: Flag = None
+    fp32_optimizer_states: Ignored = None  # CPU offload only
+    torch_adam: Switch = None
+    adam_w_mode: Switch = None
+
+
+class FusedAdamParams(_AdamParams):
+    """Adam/AdamW without ``torch_adam``: DeepSpeed's ``FusedAdam``."""
+
+    amsgrad: Annotated[Any, BeforeValidator(_amsgrad_fused), PASSED] = None
+    bias_correction: Annotated[Any, BeforeValidator(_bias_correction), PASSED] = None
+    set_grad_none: Ignored = None  # zero_grad's behaviour
+
+
+class TorchAdamParams(_AdamParams):
+    """Adam/AdamW with ``torch_adam``: ``torch.optim.Adam`` or ``AdamW``."""
+
+    foreach: Flag = None
+    maximize: Flag = None
+    capturable: NotModelled = None
+    differentiable: NotModelled = None
+    fused: NotModelled = None
+    decoupled_weight_decay: NotModelled = None
+
+
+class SgdParams(_Params):
+    """``torch.optim.SGD``."""
+
+    lr: Number = None
+    momentum: Number = None
+    dampening: SignedNumber = None
+    weight_decay: Number = None
+    nesterov: Flag = None
+    foreach: Flag = None
+    maximize: Flag = None
+    differentiable: NotModelled = None
+    fused: NotModelled = None
+
+
+PARAMS = {"fused": FusedAdamParams, "torch": TorchAdamParams, "sgd": SgdParams}
 BUILDERS = {"fused": "FusedAdam", "torch": "torch.optim.Adam/AdamW", "sgd": "torch.optim.SGD"}
+_RAISES = {"TypeError": TypeError, "AssertionError": AssertionError, "RuntimeError": RuntimeError}
+
+
+def passed_keys(path: str) -> tuple[str, ...]:
+    """The keys of ``path``'s params that go to the torch optimizer."""
+    return tuple(k for k, f in PARAMS[path].model_fields.items() if PASSED in f.metadata)
 
 
 @dataclass(frozen=True)
@@ -100,7 +237,8 @@ def _path(kind: str, params: dict) -> str:
 
 
 def check(kind: str, params: Any) -> dict:
-    """Check ``params`` for optimizer ``kind`` (normalized); return them unchanged.
+    """Check ``params`` for optimizer ``kind`` (normalized) with its path's model; return them
+    unchanged.
 
     Every refusal names the key (``optimizer.params.lr``) and says why, and is an instance of
     what DeepSpeed raises for it where that is a TypeError, AssertionError or RuntimeError.
@@ -108,8 +246,13 @@ def check(kind: str, params: Any) -> dict:
     if not isinstance(params, dict):
         raise ConfigError("optimizer.params", f"must be a dict, got {params!r}")
     path = _path(kind, params)
-    for key, value in params.items():
-        _check_one(path, str(key), value)
+    try:
+        PARAMS[path].model_validate(params)
+    except ValidationError as err:
+        # The first problem in the order the keys were written, as DeepSpeed meets them.
+        order = {str(k): i for i, k in enumerate(params)}
+        first = min(err.errors(), key=lambda e: order.get(str(e["loc"][0]), len(order)))
+        raise _refusal(path, str(first["loc"][0]), first) from None
     if path == "sgd" and params.get("nesterov"):
         if not params.get("momentum", 0) > 0 or params.get("dampening", 0) != 0:
             raise ConfigError(
@@ -119,75 +262,16 @@ def check(kind: str, params: Any) -> dict:
     return params
 
 
-def _check_one(path: str, key: str, value: Any) -> None:
-    where, builder, kind = f"optimizer.params.{key}", BUILDERS[path], SPEC[path].get(key)
-    if key == "max_grad_norm":
-        if value is None:  # any other value: refused by gas_lab.rules.refusals, as DeepSpeed
-            raise ConfigError(where, "null; DeepSpeed raises TypeError on it at initialize "
-                              "(use the top-level gradient_clipping)", deepspeed_raises=TypeError)  # fmt: skip
-        return
-    if kind is None:
-        other = [BUILDERS[p] for p in SPEC if key in SPEC[p]]
+def _refusal(path: str, key: str, error: dict) -> Exception:
+    where, builder = f"optimizer.params.{key}", BUILDERS[path]
+    if error["type"] == "extra_forbidden":
+        other = [BUILDERS[p] for p, model in PARAMS.items() if key in model.model_fields]
         hint = f"a parameter of {other[0]} only" if other else "unknown; check the spelling"
-        raise ConfigError(where, f"{hint}: DeepSpeed passes it on to {builder}, which raises "
-                          "TypeError (unexpected keyword argument)", deepspeed_raises=TypeError)  # fmt: skip
-    if kind == "other":
-        raise NotImplementedInGasLab(f"config key '{where}': not supported by gas_lab ({builder} "
-                                     "takes it); remove it or use deepspeed.initialize")  # fmt: skip
-    if kind == "switch":
-        if value not in (None, True, False, 0, 1) or isinstance(value, float):
-            raise ConfigError(where, f"must be true, false, 0, 1 or null, got {value!r} "
-                              "(DeepSpeed reads it by truthiness: the string 'no' means true)")  # fmt: skip
-    elif kind in ("flag", "ignored"):
-        if value is not None and not isinstance(value, bool):
-            raise ConfigError(where, f"must be true, false or null, got {value!r}")
-        if path == "fused":
-            _check_fused_flag(key, value, where)
-    elif value is None:
-        raise ConfigError(where, f"null; DeepSpeed passes it to {builder}, which raises "
-                          "TypeError (leave the key out for the default)", deepspeed_raises=TypeError)  # fmt: skip
-    elif kind == "number":
-        _check_number(where, key, value)
-    else:
-        _check_betas(where, value)
-
-
-def _check_fused_flag(key: str, value: Any, where: str) -> None:
-    if key == "amsgrad" and value:
-        raise ConfigError(
-            where,
-            "FusedAdam (DeepSpeed's Adam without torch_adam) has no AMSGrad variant: DeepSpeed "
-            'raises RuntimeError at initialize; add "torch_adam": true for torch\'s AMSGrad',
-            deepspeed_raises=RuntimeError,
-        )
-    if key == "bias_correction" and not value:
-        # FusedAdam then skips the bias correction; torch's Adam always applies it.
-        raise NotImplementedInGasLab(
-            f"config key '{where}': {value!r} (no bias correction) is not supported by gas_lab; "
-            "use deepspeed.initialize"
-        )
-
-
-def _check_number(where: str, key: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(where, f"must be a number, got {value!r}", deepspeed_raises=TypeError)
-    if math.isnan(value) or math.isinf(value):
-        raise ConfigError(where, f"must be finite, got {value!r}")
-    if value < 0 and key != "dampening":
-        raise ConfigError(
-            where,
-            f"must be >= 0, got {value!r} (torch raises ValueError; DeepSpeed's FusedAdam "
-            "takes a negative lr as ascent and ignores a negative weight_decay)",
-        )
-
-
-def _check_betas(where: str, value: Any) -> None:
-    ok = isinstance(value, (list, tuple)) and len(value) == 2
-    if ok and all(isinstance(b, (int, float)) and not isinstance(b, bool) for b in value):
-        if all(0.0 <= b < 1.0 for b in value):  # NaN fails this too
-            return
-        raise ConfigError(where, f"each beta must be in [0, 1), got {value!r}")
-    raise ConfigError(where, f"must be two numbers, got {value!r}", deepspeed_raises=TypeError)
+        return ConfigError(where, f"{hint}: DeepSpeed passes it on to {builder}, which raises "
+                           "TypeError (unexpected keyword argument)", deepspeed_raises=TypeError)  # fmt: skip
+    if error["type"] == "not_supported":
+        return NotImplementedInGasLab(f"config key '{where}': {error['msg']} ({builder})")
+    return ConfigError(where, error["msg"], deepspeed_raises=_RAISES.get(error["type"]))
 
 
 def plan(kind: str, params: dict) -> Plan:
@@ -198,8 +282,8 @@ def plan(kind: str, params: dict) -> Plan:
     one or two float32 ulps (the kernel rounds differently; 1.2e-7 after 3 steps measured).
     """
     path = _path(kind, params)
-    passed = ("number", "betas", "flag")
-    kwargs = {k: v for k, v in params.items() if SPEC[path].get(k) in passed and v is not None}
+    passed = passed_keys(path)
+    kwargs = {k: v for k, v in params.items() if k in passed and v is not None}
     kwargs.pop("bias_correction", None)  # true (checked): torch's Adam always corrects
     if path == "sgd":
         return Plan(torch.optim.SGD, kwargs, "torch.optim.SGD", path)
