@@ -325,6 +325,69 @@ def test_zero_keys_gas_lab_lacks_are_not_supported():
         load_config(cfg(zero_optimization={"stage": 1, "sub_group_size": 10}))
 
 
+# DeepSpeed's do-nothing values of keys gas_lab does not implement: accepted (a config copied
+# from DeepSpeed's docs often spells out the defaults); the value that does something: refused.
+OFF = [
+    dict(zero_optimization={"stage": 1, "cpu_offload": False}),
+    dict(zero_optimization={"stage": 0, "zero_hpz_partition_size": 1}),
+    dict(zero_optimization={"stage": 1, "zero_quantized_weights": False}),
+    dict(zero_optimization={"stage": 1, "stage3_param_persistence_threshold": 1e4}),
+    dict(zero_optimization={"stage": 2, "stage3_max_live_parameters": 3, "sub_group_size": 1e9}),
+    dict(torch_autocast={"enabled": False}),
+    dict(torch_autocast={}),
+    dict(wandb={"enabled": False, "project": "x"}),
+    dict(memory_breakdown=False, dump_state=False, sequence_parallel_size=1),
+    dict(zero_force_ds_cpu_optimizer=True, log_level="info"),
+]
+ON = [
+    (dict(zero_optimization={"stage": 1, "cpu_offload": True}), "zero_optimization.cpu_offload"),
+    (dict(zero_optimization={"stage": 1, "zero_hpz_partition_size": 2}), "zero_hpz_partition"),
+    (dict(zero_optimization={"stage": 1, "zero_quantized_weights": True}), "zero_quantized"),
+    (dict(torch_autocast={"enabled": True}), "torch_autocast.enabled"),
+    (dict(memory_breakdown=True), "memory_breakdown"),
+    (dict(sequence_parallel_size=2), "sequence_parallel_size"),
+]
+
+
+@pytest.mark.parametrize("extra", OFF)
+def test_deepspeed_keys_at_their_do_nothing_value_are_accepted(extra):
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    DeepSpeedConfig(cfg(**extra))  # DeepSpeed takes them too
+    assert load_config(cfg(**extra)).train_micro_batch_size_per_gpu == 2
+
+
+@pytest.mark.parametrize("extra, path", ON)
+def test_deepspeed_keys_that_ask_for_a_feature_are_refused_naming_it(extra, path):
+    with pytest.raises(NotImplementedInGasLab, match=f"{path}.*not supported by gas_lab"):
+        load_config(cfg(**extra))
+
+
+def test_do_nothing_values_are_deepspeeds_defaults():
+    import deepspeed.runtime.constants as constants
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    fields = {f.alias or name: f for name, f in DeepSpeedZeroConfig.model_fields.items()}
+    fields |= dict(DeepSpeedZeroConfig.model_fields)
+    for key, default in deepspeed_keys.ZERO_DEFAULTS.items():
+        assert fields[key].default == default, key
+    for key in deepspeed_keys.ZERO_STAGE3_ONLY:  # their names or aliases are ZeRO-3's
+        name = next(n for n, f in DeepSpeedZeroConfig.model_fields.items() if key in (n, f.alias))
+        assert "stage3" in key or fields[name].alias.startswith("stage3"), key
+    for key, default in deepspeed_keys.DEFAULTS.items():
+        if key == "sequence_parallel_size":  # read as config.get(..., 1) where it is used
+            assert default == 1
+            continue
+        name = {"use_data_before_expert_parallelism": "USE_DATA_BEFORE_EXPERT_PARALLEL"}.get(
+            key, key.upper()
+        )
+        assert getattr(constants, name + "_DEFAULT") == default, key
+    assert set(deepspeed_keys.DEFAULTS) <= deepspeed_keys.NOT_SUPPORTED
+    assert set(deepspeed_keys.ZERO_DEFAULTS) | deepspeed_keys.ZERO_STAGE3_ONLY <= (
+        deepspeed_keys.ZERO_NOT_SUPPORTED
+    )
+
+
 def test_amp_is_refused_even_null():
     with pytest.raises(RejectedCombination, match="amp"):
         load_config(cfg(amp=None))

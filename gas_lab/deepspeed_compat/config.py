@@ -95,7 +95,7 @@ class ZeroConfig(_Section):
         return any(b is not None and b.device != "none" for b in blocks)
 
 
-class GasConfig(_Section):
+class GasConfig(keys.SwitchedOffKeys, _Section):
     train_batch_size: int | None = None
     train_micro_batch_size_per_gpu: int | None = None
     gradient_accumulation_steps: int | None = None
@@ -116,6 +116,7 @@ class GasConfig(_Section):
     pipeline: dict | None = None
     steps_per_print: int | None = None  # accepted and ignored (DeepSpeed's logging); 0 refused
     wall_clock_breakdown: bool = False  # accepted and ignored: DeepSpeed's timers
+    log_level: str | None = None  # accepted and ignored: DeepSpeed's logging
     world_size: int = Field(1, exclude=True)  # not a DeepSpeed key: filled in by load_config
     # Lesson 08: schedules (gas_lab/deepspeed_compat/schedules.py), sum or mean, precision (gas_lab/deepspeed_compat/precision.py).
     scheduler: schedules.SchedulerConfig | None = None
@@ -235,7 +236,7 @@ def parse(config: dict | GasConfig) -> GasConfig:
     if "world_size" in config:
         raise ConfigError("world_size", "not a DeepSpeed key: the world size is the process "
                           "group's (give train_batch_size and the micro-batch size instead)")  # fmt: skip
-    keys.check_known(config, config.get("zero_optimization"))
+    config = keys.check_known(config)  # what does nothing is accepted, and left out
     if "amp" in config and config["amp"] is None:
         config = {**config, "amp": {}}  # DeepSpeed refuses the key itself, even null (rules)
     try:
