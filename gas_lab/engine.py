@@ -3,18 +3,17 @@
 The loop calls ``backward()`` and ``step()``; the engine decides where the **accumulation
 boundary** is, the micro-batch after which the gradients are reduced over ranks and the weights
 change. *How* they are reduced and updated is a strategy's: :class:`AllReduce` below (ZeRO stage
-0), :class:`gas_lab.zero1.ShardedUpdate` (lesson 05), :class:`gas_lab.zero2.PartitionedGradientUpdate`
-(lesson 09, which reduces in every ``backward()``).
+0), :class:`gas_lab.zero1.ShardedUpdate` (lesson 05), :class:`gas_lab.zero2.PartitionedGradientUpdate`.
 
-* **managed** (lesson 03): ``step()`` counts its calls in ``micro_steps``, and the boundary is the
+* **managed** (lesson 03): ``step()`` counts its calls in ``micro_steps``; the boundary is the
   call for which :func:`is_boundary` holds. Its ``backward()`` reduces (unless inside
   ``no_sync()``) and its ``step()`` updates; every other ``step()`` only counts.
 * **unmanaged** (lesson 04): every ``step()`` is the boundary: it reduces what the ``backward()``
   calls since the last one accumulated, then updates once, however many there were.
 
-This is the idea alone. :func:`gas_lab.initialize` returns
-:class:`gas_lab.deepspeed_compat.engine.DeepSpeedEngine`: this class, plus what DeepSpeed 0.19.8
-does around it (the config, refusals, precision, schedules, checkpoints).
+The idea alone: :func:`gas_lab.initialize` returns
+:class:`~gas_lab.deepspeed_compat.engine.DeepSpeedEngine`, this class plus what DeepSpeed does
+around it (config, refusals, precision, schedules, checkpoints).
 """
 
 from __future__ import annotations
