@@ -211,19 +211,23 @@ def load_config(config: dict | GasConfig, world_size: int = 1) -> GasConfig:
     Raises ConfigError (a bad key or value), refusals.RejectedCombination (a combination DeepSpeed
     refuses at initialize) or refusals.NotImplementedInGasLab (fine in DeepSpeed, not taught here).
     """
-    cfg = parse(config)
-    batch = resolve_batch(
-        cfg.train_batch_size,
-        cfg.train_micro_batch_size_per_gpu,
-        cfg.gradient_accumulation_steps,
-        world_size,
-    )
-    cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps = (
-        batch
-    )
-    cfg.world_size = world_size
+    cfg = with_batch(parse(config), world_size)
     # Model-independent rules; engine.initialize checks again once it knows the model.
     refusals.enforce(refusals.Situation(config=cfg))
+    return cfg
+
+
+def with_batch(cfg: GasConfig, world_size: int) -> GasConfig:
+    """``cfg`` with its three batch numbers derived and checked for ``world_size`` (in place)."""
+    cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps = (
+        resolve_batch(
+            cfg.train_batch_size,
+            cfg.train_micro_batch_size_per_gpu,
+            cfg.gradient_accumulation_steps,
+            world_size,
+        )  # fmt: skip
+    )
+    cfg.world_size = world_size
     return cfg
 
 

@@ -313,8 +313,8 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     cfg = load_config(read_config(_the_config(args, config, config_params)), world_size)
     pipeline = any(c.__name__ == "PipelineModule" for c in type(model).__mro__)
     refusals.enforce(refusals.Situation(cfg, pipeline=pipeline))
-    device = _device_for(group)
-    model.to(device)  # as DeepSpeed does: on GPUs, this rank's
+    device = _device_for(group, model)
+    model.to(device)  # as DeepSpeed does: with nccl, this rank's GPU
     precision.cast_parameters(model, cfg.model_dtype)  # bf16: the weights, not the buffers
     if optimizer is None:  # as in DeepSpeed, a client optimizer wins over the config's
         if cfg.optimizer is None:
@@ -413,12 +413,12 @@ def _set_up_deepspeed_comm(distributed_port: int, dist_init_required) -> None:
                           dist_init_required=dist_init_required, verbose=False)  # fmt: skip
 
 
-def _device_for(group) -> torch.device:
-    """Where DeepSpeed puts the model: this rank's GPU when the group runs on nccl, else the
-    CPU."""
+def _device_for(group, module) -> torch.device:
+    """Where DeepSpeed puts the model: this rank's GPU when the group runs on nccl; otherwise
+    gas_lab leaves it where it is (DeepSpeed's CPU accelerator: the CPU)."""
     if group is not None and dist.get_backend(group) == "nccl":
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
-    return torch.device("cpu")
+    return _device_of(module)
 
 
 def _device_of(module) -> torch.device:

@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from gas_lab.deepspeed_compat.config import parse, resolve_batch
+from gas_lab.deepspeed_compat.config import parse, with_batch
 from gas_lab.deepspeed_compat.loss_scaling import for_deepspeed
 from gas_lab.dp import all_reduce_mean, clip_by_norm, default_group, replicated_grad_norm
 from gas_lab.engine import is_boundary, samples_run
@@ -53,14 +53,9 @@ class Fp16Loop:
     def __init__(self, model, config: dict, lr_scheduler=None, stage0_as_deepspeed: bool = True):
         self.group = default_group()
         world = dist.get_world_size(self.group) if self.group is not None else 1
-        cfg = parse(config)
-        batch = resolve_batch(
-            cfg.train_batch_size,
-            cfg.train_micro_batch_size_per_gpu,
-            cfg.gradient_accumulation_steps,
-            world,
-        )
-        self._train_batch, self._micro, self._gas = batch
+        cfg = with_batch(parse(config), world)  # not load_config: its rules refuse fp16
+        self._train_batch = cfg.train_batch_size
+        self._micro, self._gas = cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps
         self._managed = cfg.managed_gradient_accumulation
         self._clip = cfg.gradient_clipping
         self.module = model.half()

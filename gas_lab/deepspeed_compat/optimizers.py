@@ -59,10 +59,14 @@ class Passed:
 PASSED = Passed()
 
 
-def _number(value, signed=False):
+def _not_null(value) -> None:
     if value is None:
         raise _refuse("TypeError", "null; DeepSpeed passes it to the optimizer, which raises "
                       "TypeError (leave the key out for the default)")  # fmt: skip
+
+
+def _number(value, signed=False):
+    _not_null(value)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise _refuse("TypeError", f"must be a number, got {value!r}")
     if math.isnan(value) or math.isinf(value):
@@ -75,9 +79,7 @@ def _number(value, signed=False):
 
 
 def _betas(value):
-    if value is None:
-        raise _refuse("TypeError", "null; DeepSpeed passes it to the optimizer, which raises "
-                      "TypeError (leave the key out for the default)")  # fmt: skip
+    _not_null(value)
     ok = isinstance(value, (list, tuple)) and len(value) == 2
     if ok and all(isinstance(b, (int, float)) and not isinstance(b, bool) for b in value):
         if all(0.0 <= b < 1.0 for b in value):  # NaN fails this too
@@ -139,14 +141,14 @@ MaxGradNorm = Annotated[Any, BeforeValidator(_max_grad_norm)]
 class _Params(BaseModel):
     # forbid: a key the optimizer does not take is DeepSpeed's TypeError, not a default.
     model_config = ConfigDict(extra="forbid")
+    lr: Number = None
+    weight_decay: Number = None
     max_grad_norm: MaxGradNorm = None  # (refused as a rule, gas_lab.rules.refusals)
 
 
 class _AdamParams(_Params):
-    lr: Number = None
     betas: Betas = None
     eps: Number = None
-    weight_decay: Number = None
     amsgrad: Flag = None
     fp32_optimizer_states: Ignored = None  # CPU offload only
     torch_adam: Switch = None
@@ -161,29 +163,28 @@ class FusedAdamParams(_AdamParams):
     set_grad_none: Ignored = None  # zero_grad's behaviour
 
 
-class TorchAdamParams(_AdamParams):
-    """Adam/AdamW with ``torch_adam``: ``torch.optim.Adam`` or ``AdamW``."""
+class _TorchKeys(_Params):
+    """What torch's own optimizers take besides their hyper-parameters."""
 
     foreach: Flag = None
     maximize: Flag = None
-    capturable: NotModelled = None
     differentiable: NotModelled = None
     fused: NotModelled = None
+
+
+class TorchAdamParams(_AdamParams, _TorchKeys):
+    """Adam/AdamW with ``torch_adam``: ``torch.optim.Adam`` or ``AdamW``."""
+
+    capturable: NotModelled = None
     decoupled_weight_decay: NotModelled = None
 
 
-class SgdParams(_Params):
+class SgdParams(_TorchKeys):
     """``torch.optim.SGD``."""
 
-    lr: Number = None
     momentum: Number = None
     dampening: SignedNumber = None
-    weight_decay: Number = None
     nesterov: Flag = None
-    foreach: Flag = None
-    maximize: Flag = None
-    differentiable: NotModelled = None
-    fused: NotModelled = None
 
 
 PARAMS = {"fused": FusedAdamParams, "torch": TorchAdamParams, "sgd": SgdParams}
