@@ -6,7 +6,7 @@ The invariant: summing the gradients of N micro-batch losses gives the gradient 
 
 Taught in lesson 01 (``tutorials/01_single_device.ipynb``); lesson 07 reuses :class:`Window`
 and :func:`normalized_loss` across ranks. The toy models and data are in
-:mod:`gas_lab.lessons.toys`.
+:mod:`gas_lab.toys`.
 
 Conventions: a loss function ``loss_fn(model, batch)`` returns per-token losses of shape
 ``(batch, tokens)``. A batch without a mask has one loss term per sample (``tokens == 1``).

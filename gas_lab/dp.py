@@ -15,7 +15,7 @@ Taught in lesson 02 (``tutorials/02_ddp.ipynb``). The pieces every data-parallel
 course shares live here too: the process group (:func:`init_from_env`, :func:`default_group`),
 :func:`broadcast_parameters`, :func:`all_reduce_mean`, :func:`global_count` (a count over all
 ranks, lesson 04) and clipping by the global norm (:func:`clip_by_norm`). Stage 0's update at
-the boundary, built from them, is :class:`gas_lab.update.AllReduceUpdate`.
+the boundary, built from them, is :class:`gas_lab.engine.AllReduce`.
 """
 
 from __future__ import annotations

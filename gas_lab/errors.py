@@ -88,10 +88,8 @@ class RejectedCombination(GasLabError):
         """The refusal for ``rule``, an instance of DeepSpeed's exception type for it too."""
         return _refusal_class(rule.deepspeed_raises)(rule)
 
-    def __reduce__(self):
-        # A rule holds a lambda, which does not pickle; ranks send exceptions back pickled.
-        rule = self.rule
-        return _unpickle, (rule.name, rule.deepspeed_raises, str(self))
+    def __reduce__(self):  # ranks send exceptions back pickled (a Rule pickles itself)
+        return RejectedCombination.of, (self.rule,)
 
 
 _REFUSAL_CLASSES: dict[str, type] = {}
@@ -117,18 +115,6 @@ def _refusal_class(name: str) -> type:
         attrs = {"__module__": __name__, "__qualname__": "RejectedCombination"}
         _REFUSAL_CLASSES[name] = type("RejectedCombination", bases, attrs)
     return _REFUSAL_CLASSES[name]
-
-
-def _unpickle(rule_name: str, raises: str, message: str) -> RejectedCombination:
-    from gas_lab.rules.refusals import ALL_RULES
-
-    rule = next((r for r in ALL_RULES if r.name == rule_name), None)
-    if rule is not None and str(RejectedCombination(rule)) == message:
-        return RejectedCombination.of(rule)
-    exc = _refusal_class(raises).__new__(_refusal_class(raises))  # a rule made elsewhere
-    Exception.__init__(exc, message)
-    exc.rule = None
-    return exc
 
 
 class NotImplementedInGasLab(GasLabError, NotImplementedError):

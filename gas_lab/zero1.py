@@ -8,47 +8,40 @@ all-gather the updated shards, so every rank again holds the whole model for the
 
 At the accumulation boundary (``gas_lab.engine`` decides when; this module decides how):
 
-1. **reduce** the gradients; rank r needs the averaged gradient of shard r. DeepSpeed 0.19.8
-   (the default here, :mod:`gas_lab.buckets`) cuts the gradient into buckets and, with its
-   default ``use_multi_rank_bucket_allreduce``, all-reduces each one whole, so every rank
-   receives every shard and keeps its own; with that key false it ``reduce``s each owner's
-   slice to its owner. Two teaching variants (``reduce=``): ``"all_reduce"`` (the whole
-   gradient, once) and ``"reduce_scatter"``, which delivers each rank only its shard. On a
-   ring, an all-reduce moves 2(W-1)/W of the gradient bytes per rank, a reduce-scatter half
-   of that; with the all-gather below, reduce-scatter makes ZeRO-1 cost what DDP costs.
+1. **reduce** the gradients; rank r needs the averaged gradient of shard r. Two ways
+   (``reduce=``): ``"all_reduce"`` the whole gradient, once, and keep shard r (what DeepSpeed
+   0.19.8 does by default), or ``"reduce_scatter"``, which delivers each rank only its shard.
+   On a ring, an all-reduce moves 2(W-1)/W of the gradient bytes per rank, a reduce-scatter
+   half of that; with the all-gather below, reduce-scatter makes ZeRO-1 cost what DDP costs.
 2. **clip** by the global norm. A rank holds one shard, so the norm is the square root of the
-   *sum over ranks* of each shard's squared norm: one 4-byte all-reduce (DeepSpeed computes
-   the norm even when clipping is off, so gas_lab does too, and the counts match; only
-   ``zero_optimization.compute_grad_norm`` false, with clipping off, skips it).
+   *sum over ranks* of each shard's squared norm: one 4-byte all-reduce, at every update
+   (DeepSpeed computes it even when clipping is off, and reports it).
 3. **step** the wrapped optimizer (SGD, Adam, AdamW: any element-wise one) on the shard.
 4. **all-gather** the shards into the flat buffer. The model's parameters are views into that
    buffer, so the all-gather writes the new weights straight into the model.
 
 Between the boundary's reduction and the update a parameter's gradient exists only as shards
-(``param.grad`` is None). :func:`full_gradient` assembles it, and each parameter carries the two
-attributes ``deepspeed.utils.safe_get_full_grad(param)`` looks for, so code that reads
-gradients the DeepSpeed way reads gas_lab's too.
+(``param.grad`` is None).
 
-Taught in lesson 05 (``tutorials/05_zero1.ipynb``); lesson 08 adds bf16 (fp32 master shards,
-bf16 or fp32 accumulation, :mod:`gas_lab.precision`), the skipped update on a non-finite norm,
-``"gradient_allreduce_op": "sum"`` and the per-rank checkpoint of a shard.
+Taught in lesson 05 (``tutorials/05_zero1.ipynb``). What DeepSpeed adds is given to
+:class:`ShardedUpdate`, not decided in it (:mod:`gas_lab.deepspeed_compat.strategies`): its
+bucket ``plan`` (:class:`gas_lab.deepspeed_compat.buckets.Zero1Plan`) and its ``precision``
+(bf16 weights with fp32 master shards, bf16 or fp32 accumulation: lesson 08).
 """
 
 from __future__ import annotations
 
-import types
 import warnings
 
 import torch
 import torch.distributed as dist
 
-from gas_lab import buckets, precision
 from gas_lab.dp import all_reduce_gradients, clip_by_norm
 
 # Shard sizes are a multiple of this many elements, as in DeepSpeed (4 bytes of fp16), so
 # every shard starts aligned; the flat vector is padded with zeros up to W x that multiple.
 ALIGNMENT = 2
-REDUCE_MODES = ("deepspeed", "all_reduce", "reduce_scatter")
+REDUCE_MODES = ("all_reduce", "reduce_scatter")
 
 
 class Layout:
@@ -105,17 +98,17 @@ class _FlatGroup:
     ``master`` is this rank's shard, the only tensor the optimizer sees."""
 
     def __init__(self, params: list[torch.nn.Parameter], world_size: int, rank: int,
-                 round_robin: bool = False):  # fmt: skip
+                 order=None):  # fmt: skip
         dtypes = {p.dtype for p in params}
         if len(dtypes) > 1:
             raise TypeError(f"one param group, one dtype; got {sorted(map(str, dtypes))}")
-        order = list(range(len(params)))
-        if round_robin:  # DeepSpeed's round_robin_gradients: another order in the flat vector
-            order = buckets.round_robin([p.numel() for p in params], world_size)
+        # order(numels, world_size): another order in the flat vector (DeepSpeed's round robin)
+        numels = [p.numel() for p in params]
+        order = list(range(len(params))) if order is None else order(numels, world_size)
         self.params = [params[i] for i in order]
         self.layout = Layout.of([p.numel() for p in self.params], world_size)
         # (offset, numel) of each parameter in the flat vector, in the group's own order: the
-        # order gradients are bucketed in (gas_lab.buckets).
+        # order gradients are bucketed in (DeepSpeed's buckets: Zero1Plan).
         offsets = dict(zip(order, self.layout.offsets, strict=True))
         self.walk = [(offsets[i], params[i].numel()) for i in range(len(params))]
         self.start, self.end = self.layout.shard(rank)
@@ -148,47 +141,40 @@ class _FlatGroup:
 
 
 class ShardedUpdate:
-    """ZeRO-1 as a ``gas_lab.update.UpdateStrategy``: ``reduce_gradients()`` at the boundary,
-    then ``update()`` (clip, step the shard, all-gather).
+    """ZeRO-1 as the engine's strategy (:class:`gas_lab.engine.Engine`): ``reduce_gradients()``
+    at the boundary, then ``update()`` (clip, step the shard, all-gather).
 
     ``optimizer`` is a fresh torch optimizer over the model's parameters; its param groups are
     re-pointed at this rank's shards (DeepSpeed does the same), so ``optimizer.state`` holds
-    only this rank's share. ``reduce`` is ``"deepspeed"`` (DeepSpeed's stage 1, following the
-    config's ``zero_optimization`` keys: :mod:`gas_lab.buckets`), or one of lesson 05's
-    variants, ``"all_reduce"`` or ``"reduce_scatter"``. Frozen and empty parameters are left out, as in DeepSpeed. A
-    parameter without a gradient on this rank is reduced as zeros; DeepSpeed 0.19.8 leaves it
-    out of the buffer instead, which breaks the all-reduce when it is used on one rank only.
+    only this rank's share. ``reduce``: ``"all_reduce"`` or ``"reduce_scatter"`` (lesson 05);
+    ``average`` False sums over ranks instead (lesson 08). Frozen and empty parameters are left
+    out, as in DeepSpeed. A parameter without a gradient on this rank is reduced as zeros.
+
+    From :mod:`gas_lab.deepspeed_compat.strategies`: ``plan``, DeepSpeed's buckets, which replace
+    ``reduce`` (:class:`~gas_lab.deepspeed_compat.buckets.Zero1Plan`), and ``precision``, bf16
+    weights and the accumulation and communication dtypes
+    (:class:`~gas_lab.deepspeed_compat.precision.Precision`). Without them: fp32 ZeRO-1, from
+    scratch.
     """
 
-    def __init__(self, params, optimizer, group, config, reduce: str = "deepspeed"):
+    def __init__(self, params, optimizer, group=None, max_norm: float = 0.0,
+                 reduce: str = "all_reduce", average: bool = True, plan=None, precision=None):  # fmt: skip
         if reduce not in REDUCE_MODES:
             raise ValueError(f"reduce must be one of {REDUCE_MODES}, got {reduce!r}")
-        self.group, self.reduce = group, reduce
+        self.group, self.reduce, self.max_norm, self.average = group, reduce, max_norm, average
+        self.plan, self.precision = plan, precision
         self.world_size = dist.get_world_size(group) if group is not None else 1
         self.rank = dist.get_rank(group) if group is not None else 0
-        self.max_norm = config.gradient_clipping
-        self.config = config
-        self.compute_norm = config.zero_optimization.compute_grad_norm
-        self.groups = flat_groups(params, optimizer, self.world_size, self.rank,
-                                  config.zero_optimization.round_robin_gradients)  # fmt: skip
-        for flat_group in self.groups:
-            # params and offsets in the flat vector's order (round_robin_gradients reorders)
-            for p, offset in zip(flat_group.params, flat_group.layout.offsets, strict=True):
-                # The names DeepSpeed's ZeRO-1 gives them, which safe_get_full_grad looks for.
-                p._hp_mapping = (group, flat_group, offset)
-                p.get_full_hp_grad = types.MethodType(full_gradient, p)
+        order = plan.order if plan is not None else None
+        self.groups = flat_groups(params, optimizer, self.world_size, self.rank, order)
         self.optimizer = optimizer
         self.last_norm: float | None = None  # the global gradient norm of the last update
-        self.average = config.gradient_allreduce_op == "mean"
-        self.precision = precision.route(config)
-        self.deepspeed_wrapper = self.precision.wrapper
+        self.comm_dtype = precision.communicate if precision is not None else None
+        # A non-finite norm skips the update (DeepSpeed's ZeRO; its bf16 may check nothing).
+        self.skip_nonfinite = precision.skip_nonfinite if precision is not None else True
         # bf16 + fp32 accumulation: every micro-batch's gradient goes into fp32 buffers.
-        self.buffers = None
-        if self.precision.separate_buffer:
-            mine = [p for g in self.groups for p in g.params]
-            self.buffers = precision.GradBuffers(
-                mine, self.precision.accumulate, self.precision.immediate_grad_update
-            )
+        mine = [p for g in self.groups for p in g.params]
+        self.buffers = precision.grad_buffers(mine) if precision is not None else None
 
     def before_backward(self) -> None:
         if self.buffers is not None:
@@ -211,15 +197,15 @@ class ShardedUpdate:
     def reduce_gradients(self) -> None:
         """Leave in each group's ``grad_shard`` the rank-averaged gradient of this rank's shard."""
         locals_ = [g.local_gradient(self._grads_of(g)) for g in self.groups]
-        if self.reduce == "deepspeed":
-            self._reduce_as_deepspeed(locals_)
+        if self.plan is not None:  # DeepSpeed's buckets reduce every group at once
+            self.plan.reduce(locals_, self.groups, self.group, self.comm_dtype)
         for g, local in zip(self.groups, locals_, strict=True):
-            if self.reduce == "deepspeed":
+            if self.plan is not None:
                 shard = local[g.start : g.end]
             elif self.reduce == "all_reduce":
                 # Send only the real elements (DeepSpeed's buffer), pad afterwards to cut shards.
                 real = local[: g.layout.numel].clone()
-                all_reduce_gradients([real], self.group, self.average, self.precision.communicate)
+                all_reduce_gradients([real], self.group, self.average, self.comm_dtype)
                 shard = torch.nn.functional.pad(real, (0, g.layout.padding))[g.start : g.end]
             else:
                 shard = self._reduce_scatter(g, local)
@@ -229,25 +215,10 @@ class ShardedUpdate:
         if self.buffers is not None:
             self.buffers.clear()
 
-    def _reduce_as_deepspeed(self, locals_: list[torch.Tensor]) -> None:
-        """Reduce the flat local gradients in place with DeepSpeed's collectives."""
-        comm, cfg = self.precision.communicate, self.config
-        if self.precision.wrapper == "BF16_Optimizer":  # no ZeRO buckets: the engine's
-            buckets.engine_all_reduce([t[: g.layout.numel] for g, t in
-                                       zip(self.groups, locals_, strict=True)], self.group, cfg, comm)  # fmt: skip
-            return
-        groups = [(g.walk, g.layout.shard_size) for g in self.groups]
-        calls = buckets.stage1_calls(groups, cfg.zero_optimization)
-        for call in calls:
-            steps = buckets.scale_steps(call.scaling, self.world_size, self.average,
-                                        cfg.prescale_gradients, cfg.gradient_predivide_factor)  # fmt: skip
-            views = [locals_[p.group][p.start : p.end] for p in call.pieces]
-            buckets.reduce_views(views, self.group, comm, call.kind, call.dst, steps)
-
     def _reduce_scatter(self, g: _FlatGroup, local: torch.Tensor) -> torch.Tensor:
         if self.group is None:
             return local[g.start : g.end]
-        comm = self.precision.communicate
+        comm = self.comm_dtype or local.dtype
         shard = torch.empty(g.layout.shard_size, dtype=comm, device=g.flat.device)
         with warnings.catch_warnings():  # torch 2.13 renamed it; the name works >= 2.4
             warnings.simplefilter("ignore", FutureWarning)
@@ -265,14 +236,13 @@ class ShardedUpdate:
                 g.grad_shard = g.local_gradient(self._grads_of(g))[g.start : g.end].clone()
             g.master.grad = g.grad_shard.to(torch.float32)  # the master shard's dtype
         shards = [g.master.grad for g in self.groups]
-        # The norm is computed even without clipping, as DeepSpeed stage 1 does (it reports
-        # it): one 4-byte all-reduce per update, unless compute_grad_norm is false (which
-        # needs clipping off, so nothing below reads it).
-        if self.compute_norm:
+        # The norm at every update, clipping or not, as DeepSpeed (one 4-byte all-reduce);
+        # only its plan's compute_grad_norm false, with clipping off, skips it.
+        if self.plan is None or self.plan.compute_norm:
             norm = global_norm(shards, self.group)
             self.last_norm = norm.item()
-            if self.precision.skip_nonfinite and not torch.isfinite(norm):
-                self._clear()  # an inf/nan gradient: skip the update, as DeepSpeed's ZeRO does
+            if self.skip_nonfinite and not torch.isfinite(norm):
+                self._clear()  # an inf/nan gradient: skip the update, weights untouched
                 return False
             if self.max_norm > 0:
                 clip_by_norm(shards, norm, self.max_norm)
@@ -293,44 +263,6 @@ class ShardedUpdate:
         if self.buffers is not None:
             self.buffers.clear()
 
-    def state_dict(self) -> dict:
-        """This rank's shard: its optimizer state and fp32 master shard (DeepSpeed writes the
-        same two things into one ``zero_pp_rank_<r>`` file per rank)."""
-        return shard_state(self.optimizer, self.groups)
-
-    def load_state_dict(self, state: dict, load_optimizer_states: bool = True) -> None:
-        load_shard_state(self.optimizer, self.groups, state, load_optimizer_states, "ZeRO-1")
-
-    def destroy(self) -> None:
-        """Take gas_lab's attributes off the model's parameters (``engine.destroy()``)."""
-        for p in (p for g in self.groups for p in g.params):
-            for name in ("_hp_mapping", "get_full_hp_grad"):
-                if name in vars(p):
-                    delattr(p, name)
-
-
-def full_gradient(param: torch.nn.Parameter) -> torch.Tensor:
-    """The rank-averaged fp32 gradient of ``param`` while it exists only as shards: from the
-    boundary's reduction until the update (afterwards: ValueError, as in DeepSpeed).
-
-    A collective: every rank calls it for the same parameters in the same order. Each rank
-    writes the part of ``param`` its shard holds into zeros; one all-reduce (a sum) puts the
-    parts together, as DeepSpeed's ``get_full_hp_grad`` does.
-    """
-    group, g, offset = param._hp_mapping
-    if g.grad_shard is None:
-        raise ValueError(
-            "Gradients are only available immediately after backward and before engine step"
-        )
-    n = param.numel()
-    full = torch.zeros(n, dtype=torch.float32, device=g.flat.device)
-    lo, hi = max(offset, g.start), min(offset + n, g.end)  # this rank's part of param
-    if lo < hi:
-        full[lo - offset : hi - offset] = g.grad_shard[lo - g.start : hi - g.start]
-    if group is not None:
-        dist.all_reduce(full, group=group)
-    return full.view_as(param)
-
 
 def global_norm(shards: list[torch.Tensor], group=None) -> torch.Tensor:
     """The L2 norm of the whole gradient when each rank holds only ``shards`` of it.
@@ -347,7 +279,7 @@ def global_norm(shards: list[torch.Tensor], group=None) -> torch.Tensor:
     return squares.sqrt()
 
 
-def flat_groups(params, optimizer, world_size: int, rank: int, round_robin: bool = False):
+def flat_groups(params, optimizer, world_size: int, rank: int, order=None):
     """One :class:`_FlatGroup` per optimizer param group, whose fp32 master shard replaces the
     group's parameters in the optimizer (so it only ever sees this rank's shard). Frozen and
     empty parameters are left out. Shared by ZeRO-1 and ZeRO-2."""
@@ -358,35 +290,7 @@ def flat_groups(params, optimizer, world_size: int, rank: int, round_robin: bool
         if not mine:
             param_group["params"] = []
             continue
-        flat_group = _FlatGroup(mine, world_size, rank, round_robin)
+        flat_group = _FlatGroup(mine, world_size, rank, order)
         param_group["params"] = [flat_group.master]
         groups.append(flat_group)
     return groups
-
-
-# -- checkpoints: one shard per rank, shared by ZeRO-1 and ZeRO-2 -------------------------------
-def shard_state(optimizer, groups) -> dict:
-    """A rank's shard as a checkpoint holds it: optimizer state, fp32 masters, and the layout
-    they were cut with (a later load checks it)."""
-    return {
-        "optimizer": optimizer.state_dict(),
-        "masters": [g.master.detach().clone() for g in groups],
-        "layouts": [(g.layout.numels, g.layout.world_size) for g in groups],
-    }
-
-
-def load_shard_state(optimizer, groups, state, load_optimizer_states: bool, stage: str) -> None:
-    """Load :func:`shard_state`'s dict into ``groups``; refuse a shard cut for another layout."""
-    layouts = [(tuple(g.layout.numels), g.layout.world_size) for g in groups]
-    if state is not None and [(tuple(n), w) for n, w in state["layouts"]] != layouts:
-        raise ValueError(
-            f"this {stage} checkpoint was cut for another world size or model "
-            f"(saved {state['layouts']}, now {layouts}); gas_lab loads it only unchanged"
-        )
-    if load_optimizer_states:
-        optimizer.load_state_dict(state["optimizer"])
-    # The exact fp32 shards with the optimizer state, else rebuilt from the loaded weights.
-    saved = state["masters"] if load_optimizer_states else [None] * len(groups)
-    with torch.no_grad():
-        for g, master in zip(groups, saved, strict=True):
-            g.master.copy_(master if master is not None else g.flat[g.start : g.end])

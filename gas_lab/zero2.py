@@ -32,29 +32,29 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from gas_lab import precision
 from gas_lab.dp import clip_by_norm
-from gas_lab.zero1 import flat_groups, load_shard_state, shard_state
+from gas_lab.zero1 import flat_groups
 
 
 class PartitionedGradientUpdate:
-    """ZeRO-2 as a ``gas_lab.update.UpdateStrategy``: reduces from gradient hooks during every
-    backward() (the engine calls :meth:`after_backward` at its end), has nothing left to do at
-    the boundary (:meth:`reduce_gradients`), then :meth:`update` as at ZeRO-1.
+    """ZeRO-2 as the engine's strategy (:class:`gas_lab.engine.Engine`): reduces from gradient
+    hooks during every backward() (the engine calls :meth:`after_backward` at its end), has
+    nothing left to do at the boundary (:meth:`reduce_gradients`), then :meth:`update` as at
+    ZeRO-1.
 
-    fp32 only (the rules refuse bf16 at stage 2 as out of gas_lab's scope). Frozen and empty
-    parameters are left out; a parameter without a gradient on this rank is left out of the
-    bucket, as in DeepSpeed (so its ranks must agree on which parameters got one).
+    ``bucket_size``: elements per bucket (DeepSpeed's ``reduce_bucket_size``, the plan it is
+    given); ``average`` False sums over ranks. fp32 only (the rules refuse bf16 at stage 2 as
+    out of gas_lab's scope). Frozen and empty parameters are left out; a parameter without a
+    gradient on this rank is left out of the bucket, as in DeepSpeed (so its ranks must agree
+    on which parameters got one).
     """
 
-    def __init__(self, params, optimizer, group, config):
-        self.group = group
+    def __init__(self, params, optimizer, group=None, max_norm: float = 0.0,
+                 bucket_size: int = 500_000_000, average: bool = True):  # fmt: skip
+        self.group, self.max_norm, self.average = group, max_norm, average
         self.world_size = dist.get_world_size(group) if group is not None else 1
         self.rank = dist.get_rank(group) if group is not None else 0
-        self.max_norm = config.gradient_clipping
-        self.average = config.gradient_allreduce_op == "mean"
-        self.bucket_size = config.zero_optimization.reduce_bucket_size
-        self.precision = precision.route(config)
+        self.bucket_size = bucket_size
         self.groups = flat_groups(params, optimizer, self.world_size, self.rank)
         self.optimizer = optimizer
         # This rank's partition of the accumulated, rank-averaged gradient: all it keeps
@@ -203,13 +203,6 @@ class PartitionedGradientUpdate:
             g.master.grad = None
             g.clear_grads()
         self.accumulated = None
-
-    # -- checkpoints: the same per-rank shard as ZeRO-1 ------------------------------------------
-    def state_dict(self) -> dict:
-        return shard_state(self.optimizer, self.groups)
-
-    def load_state_dict(self, state: dict, load_optimizer_states: bool = True) -> None:
-        load_shard_state(self.optimizer, self.groups, state, load_optimizer_states, "ZeRO-2")
 
 
 def _owned_slices(offset: int, numel: int, shard_size: int) -> list[tuple[int, int, int]]:

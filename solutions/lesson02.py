@@ -37,7 +37,7 @@ def train_replicas(steps, n, lr=0.1):
 
     from gas_lab.dp import all_reduce_mean, broadcast_parameters
     from gas_lab.lessons.exercises.lesson02 import SEED
-    from gas_lab.lessons.toys import flat_params, micro_batch
+    from gas_lab.toys import flat_params, micro_batch
 
     rank = dist.get_rank()
     torch.manual_seed(SEED + rank)  # the per-rank seed is fine for the shuffle ...

@@ -120,7 +120,7 @@ def outcome(case: Case) -> tuple[str, str]:
 
 def _one_step(initialize, config: dict) -> None:
     """initialize, then one optimizer step (GAS micro-batches) on the tiny model."""
-    from gas_lab.lessons.toys import micro_batch, tiny_model
+    from gas_lab.toys import micro_batch, tiny_model
 
     model = tiny_model(0)
     engine, _, _, _ = initialize(model=model, model_parameters=model.parameters(), config=config)

@@ -42,7 +42,7 @@ def deepspeed_builds(optimizer: dict, monkeypatch) -> tuple[str, dict]:
 
 def gas_lab_builds(optimizer: dict) -> tuple[str, dict]:
     """The same for gas_lab (FusedAdam's path named as DeepSpeed names it)."""
-    from gas_lab.config import load_config
+    from gas_lab.deepspeed_compat.config import load_config
 
     cfg = load_config({"train_micro_batch_size_per_gpu": 1, "optimizer": optimizer})
     plan = cfg.optimizer.plan()

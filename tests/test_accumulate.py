@@ -25,7 +25,7 @@ from gas_lab.accumulate import (
     token_loss,
     train_one_device,
 )
-from gas_lab.lessons.toys import (
+from gas_lab.toys import (
     TinySeqModel,
     regression_batch,
     regression_mlp,

@@ -1,4 +1,4 @@
-"""gas_lab.config: DeepSpeed's defaults and batch arithmetic, stricter key/type checking."""
+"""gas_lab.deepspeed_compat.config: DeepSpeed's defaults and batch arithmetic, stricter key/type checking."""
 
 import os
 
@@ -6,8 +6,9 @@ import pytest
 import torch
 from config_support import deepspeed_builds, gas_lab_builds
 
-from gas_lab import deepspeed_keys, optimizers
-from gas_lab.config import load_config, resolve_batch
+from gas_lab.deepspeed_compat import keys as deepspeed_keys
+from gas_lab.deepspeed_compat import optimizers
+from gas_lab.deepspeed_compat.config import load_config, resolve_batch
 from gas_lab.errors import ConfigError, NotImplementedInGasLab, RejectedCombination
 from gas_lab.rules import refusals
 
@@ -33,7 +34,7 @@ def test_defaults_match_deepspeed():
     assert ours.zero_allow_untested_optimizer is theirs.zero_allow_untested_optimizer is False
 
 
-# -- the optimizer, per DeepSpeed path (gas_lab/optimizers.py) -----------------------------------
+# -- the optimizer, per DeepSpeed path (gas_lab/deepspeed_compat/optimizers.py) -----------------------------------
 TYPES = ("Adam", "AdamW", "adam", "adamw", "ADAM")
 SWITCH_VALUES = ("absent", True, False, None, 0, 1)
 
@@ -280,7 +281,7 @@ def test_every_deepspeed_key_is_modelled_or_refused_by_name():
         DeepSpeedZeroOffloadParamConfig,
     )
 
-    from gas_lab.config import GasConfig, ZeroConfig
+    from gas_lab.deepspeed_compat.config import GasConfig, ZeroConfig
 
     modelled = set(GasConfig.model_fields) - {"world_size"}
     refused = deepspeed_keys.NOT_SUPPORTED | deepspeed_keys.REMOVED
@@ -322,6 +323,69 @@ def test_removed_deepspeed_keys_say_removed(extra, path):
 def test_zero_keys_gas_lab_lacks_are_not_supported():
     with pytest.raises(NotImplementedInGasLab, match="zero_optimization.sub_group_size"):
         load_config(cfg(zero_optimization={"stage": 1, "sub_group_size": 10}))
+
+
+# DeepSpeed's do-nothing values of keys gas_lab does not implement: accepted (a config copied
+# from DeepSpeed's docs often spells out the defaults); the value that does something: refused.
+OFF = [
+    dict(zero_optimization={"stage": 1, "cpu_offload": False}),
+    dict(zero_optimization={"stage": 0, "zero_hpz_partition_size": 1}),
+    dict(zero_optimization={"stage": 1, "zero_quantized_weights": False}),
+    dict(zero_optimization={"stage": 1, "stage3_param_persistence_threshold": 1e4}),
+    dict(zero_optimization={"stage": 2, "stage3_max_live_parameters": 3, "sub_group_size": 1e9}),
+    dict(torch_autocast={"enabled": False}),
+    dict(torch_autocast={}),
+    dict(wandb={"enabled": False, "project": "x"}),
+    dict(memory_breakdown=False, dump_state=False, sequence_parallel_size=1),
+    dict(zero_force_ds_cpu_optimizer=True, log_level="info"),
+]
+ON = [
+    (dict(zero_optimization={"stage": 1, "cpu_offload": True}), "zero_optimization.cpu_offload"),
+    (dict(zero_optimization={"stage": 1, "zero_hpz_partition_size": 2}), "zero_hpz_partition"),
+    (dict(zero_optimization={"stage": 1, "zero_quantized_weights": True}), "zero_quantized"),
+    (dict(torch_autocast={"enabled": True}), "torch_autocast.enabled"),
+    (dict(memory_breakdown=True), "memory_breakdown"),
+    (dict(sequence_parallel_size=2), "sequence_parallel_size"),
+]
+
+
+@pytest.mark.parametrize("extra", OFF)
+def test_deepspeed_keys_at_their_do_nothing_value_are_accepted(extra):
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    DeepSpeedConfig(cfg(**extra))  # DeepSpeed takes them too
+    assert load_config(cfg(**extra)).train_micro_batch_size_per_gpu == 2
+
+
+@pytest.mark.parametrize("extra, path", ON)
+def test_deepspeed_keys_that_ask_for_a_feature_are_refused_naming_it(extra, path):
+    with pytest.raises(NotImplementedInGasLab, match=f"{path}.*not supported by gas_lab"):
+        load_config(cfg(**extra))
+
+
+def test_do_nothing_values_are_deepspeeds_defaults():
+    import deepspeed.runtime.constants as constants
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    fields = {f.alias or name: f for name, f in DeepSpeedZeroConfig.model_fields.items()}
+    fields |= dict(DeepSpeedZeroConfig.model_fields)
+    for key, default in deepspeed_keys.ZERO_DEFAULTS.items():
+        assert fields[key].default == default, key
+    for key in deepspeed_keys.ZERO_STAGE3_ONLY:  # their names or aliases are ZeRO-3's
+        name = next(n for n, f in DeepSpeedZeroConfig.model_fields.items() if key in (n, f.alias))
+        assert "stage3" in key or fields[name].alias.startswith("stage3"), key
+    for key, default in deepspeed_keys.DEFAULTS.items():
+        if key == "sequence_parallel_size":  # read as config.get(..., 1) where it is used
+            assert default == 1
+            continue
+        name = {"use_data_before_expert_parallelism": "USE_DATA_BEFORE_EXPERT_PARALLEL"}.get(
+            key, key.upper()
+        )
+        assert getattr(constants, name + "_DEFAULT") == default, key
+    assert set(deepspeed_keys.DEFAULTS) <= deepspeed_keys.NOT_SUPPORTED
+    assert set(deepspeed_keys.ZERO_DEFAULTS) | deepspeed_keys.ZERO_STAGE3_ONLY <= (
+        deepspeed_keys.ZERO_NOT_SUPPORTED
+    )
 
 
 def test_amp_is_refused_even_null():

@@ -64,7 +64,7 @@ NULL_IS_ABSENT = {"train_batch_size", "gradient_accumulation_steps", "steps_per_
 def test_accepted_values_are_kept_as_given(outcomes):
     """No silent coercion: an accepted leaf value is the value gas_lab then holds (the issue
     found ``reduce_bucket_size: true``, ``"2"`` and 1e30 accepted and never read)."""
-    from gas_lab.config import load_config
+    from gas_lab.deepspeed_compat.config import load_config
 
     checked = 0
     for case, kind, _ in outcomes:

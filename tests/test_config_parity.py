@@ -43,8 +43,8 @@ def fused(cluster):
 
 def _run(cfg, kw):
     """On a rank: one parity run, plus the optimizer class DeepSpeed built."""
-    from gas_lab.lessons.toys import tiny_model
     from gas_lab.measure.parity import deepspeed_initialize, run_parity
+    from gas_lab.toys import tiny_model
 
     r = run_parity(cfg, **kw)
     model = tiny_model(0)
@@ -149,13 +149,13 @@ def test_stage1_keys_issue_deepspeeds_collectives(cluster, name):
 def test_round_robin_changes_the_collectives():
     """The uneven model's per-owner reduces under round_robin_gradients differ from the plain
     order's (so the round-robin case above compares something)."""
-    from gas_lab.buckets import stage1_calls
-    from gas_lab.config import ZeroConfig
+    from gas_lab.deepspeed_compat.buckets import round_robin, stage1_calls
+    from gas_lab.deepspeed_compat.config import ZeroConfig
     from gas_lab.zero1 import _FlatGroup
 
     plans = []
     for rr in (False, True):
-        g = _FlatGroup(list(uneven_model(0).parameters()), 2, 0, round_robin=rr)
+        g = _FlatGroup(list(uneven_model(0).parameters()), 2, 0, order=round_robin if rr else None)
         zero = ZeroConfig(stage=1, reduce_bucket_size=10, round_robin_gradients=rr,
                           use_multi_rank_bucket_allreduce=False)  # fmt: skip
         calls = stage1_calls([(g.walk, g.layout.shard_size)], zero)
@@ -262,7 +262,7 @@ def _random_configs(seed, n):
     """On a rank: every case, gas_lab then DeepSpeed; one result row per case."""
     import random
 
-    from gas_lab.config import load_config
+    from gas_lab.deepspeed_compat.config import load_config
     from gas_lab.measure.parity import run_parity
 
     rng, rows = random.Random(seed), []

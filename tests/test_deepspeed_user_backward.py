@@ -591,7 +591,7 @@ def test_unmanaged_rejects_pipeline(cluster, lib):
 # ---------------------------------------------------------------- what is not ported
 def test_excluded_features_are_refused_by_name(monkeypatch):
     """The offload the excluded unmanaged tests need: gas_lab says so and points to DeepSpeed."""
-    from gas_lab.engine import initialize
+    from gas_lab import initialize
     from gas_lab.errors import NotImplementedInGasLab
 
     for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):

@@ -36,8 +36,8 @@ def _run_snippet(snippet, lib, config, per_rank):
     import torch.distributed as dist
 
     from gas_lab.dp import global_count
-    from gas_lab.lessons.toys import flat_params, micro_batch, tiny_model
     from gas_lab.measure.parity import initializer
+    from gas_lab.toys import flat_params, micro_batch, tiny_model
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
     model = tiny_model(0)

@@ -10,10 +10,9 @@ def _run(kind, n, steps, lr=0.1):
     import torch
     import torch.distributed as dist
 
-    from gas_lab import dp
-    from gas_lab.engine import initialize
-    from gas_lab.lessons.toys import micro_batch, tiny_model
+    from gas_lab import dp, initialize
     from gas_lab.measure.comm import count_collectives
+    from gas_lab.toys import micro_batch, tiny_model
 
     rank, world = dist.get_rank(), dist.get_world_size()
     mse = torch.nn.functional.mse_loss

@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from gas_lab import schedules
+from gas_lab.deepspeed_compat import schedules
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 TOL = 1e-6
@@ -78,7 +78,7 @@ def test_the_first_two_updates_use_warmup_min_lr():
 
 
 def test_scheduler_block_is_checked_when_the_config_is_read():
-    from gas_lab.config import load_config
+    from gas_lab.deepspeed_compat.config import load_config
     from gas_lab.errors import ConfigError, NotImplementedInGasLab
 
     cfg = {**BASE}
@@ -132,8 +132,8 @@ def test_schedules_step_where_deepspeed_steps_them(cluster):
 
 
 def _client_schedulers():
-    from gas_lab.lessons.toys import tiny_model
     from gas_lab.measure import edges
+    from gas_lab.toys import tiny_model
 
     out = {}
     for lib, stage in itertools.product(("gas_lab", "deepspeed"), (0, 1)):

@@ -1,4 +1,4 @@
-"""gas_lab.engine on one process: counters, boundary, refusals, and a plain-torch reference.
+"""gas_lab's engine (gas_lab.initialize) on one process: counters, boundary, refusals, and a plain-torch reference.
 
 The 2-rank comparison against DeepSpeed itself is in test_parity.py (and, for ZeRO-1,
 coalesce_grad_reduction() and a direct loss.backward(), in test_zero1.py).
@@ -7,9 +7,9 @@ coalesce_grad_reduction() and a direct loss.backward(), in test_zero1.py).
 import pytest
 import torch
 
-from gas_lab.engine import initialize
-from gas_lab.errors import NotImplementedInGasLab, RejectedCombination
-from gas_lab.lessons.toys import micro_batch, tiny_model
+from gas_lab import initialize
+from gas_lab.errors import ConfigError, NotImplementedInGasLab, RejectedCombination
+from gas_lab.toys import micro_batch, tiny_model
 
 
 @pytest.fixture(autouse=True)
@@ -189,10 +189,74 @@ def test_unsupported_deepspeed_arguments_are_refused_not_ignored():
     config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {}}}
     with pytest.raises(NotImplementedInGasLab, match="mpu"):
         initialize(model=model, config=config, mpu=object())
-    with pytest.raises(NotImplementedInGasLab, match="args"):
-        initialize(args=object(), model=model, config=config)
+    with pytest.raises(NotImplementedInGasLab, match="mesh_param"):
+        initialize(model=model, config=config, mesh_param=(2, 1))
     engine, _, loader, scheduler = initialize(model=model, config=config, training_data=None)
     assert loader is None and scheduler is None
+
+
+# ---------------------------------------------------------------- DeepSpeed's initialize() call
+SGD_CONFIG = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {}}}
+
+
+def test_initialize_takes_deepspeeds_signature():
+    import inspect
+
+    import deepspeed
+
+    ours = inspect.signature(initialize).parameters
+    theirs = inspect.signature(deepspeed.initialize).parameters
+    assert list(ours)[: len(theirs)] == list(theirs)  # positional calls mean the same
+    for name, param in theirs.items():
+        assert ours[name].default == param.default, name
+
+
+def test_the_config_comes_as_deepspeed_takes_it(tmp_path):
+    import argparse
+    import base64
+    import json
+
+    path = tmp_path / "ds_config.json"
+    path.write_text("// DeepSpeed reads hjson: comments too\n" + json.dumps(SGD_CONFIG))
+    args = argparse.Namespace(deepspeed_config=str(path), local_rank=-1)
+    encoded = base64.urlsafe_b64encode(json.dumps(SGD_CONFIG).encode()).decode()
+    for kw in (dict(config=str(path)), dict(config=path), dict(config_params=SGD_CONFIG),
+               dict(args=args), dict(config=encoded)):  # fmt: skip
+        engine = initialize(model=tiny_model(0), **kw)[0]
+        assert engine.train_micro_batch_size_per_gpu() == 2, kw
+    assert args.local_rank == engine.local_rank == 0  # set as DeepSpeed sets it
+    with pytest.raises(ConfigError, match="given twice") as err:
+        initialize(args=args, model=tiny_model(0), config=SGD_CONFIG)
+    assert isinstance(err.value, AssertionError)  # what DeepSpeed raises
+    with pytest.raises(ConfigError, match="none given"):
+        initialize(args=argparse.Namespace(deepspeed_config=None), model=tiny_model(0))
+    with pytest.raises(ConfigError, match="neither a JSON file"):
+        initialize(model=tiny_model(0), config=str(tmp_path / "missing.json"))
+    path.write_text('{"train_micro_batch_size_per_gpu": 2, "train_micro_batch_size_per_gpu": 4}')
+    with pytest.raises(ConfigError, match="appears twice"):
+        initialize(model=tiny_model(0), config=str(path))
+
+
+def test_dist_init_required_false_needs_a_process_group():
+    with pytest.raises(ValueError, match="dist_init_required"):
+        initialize(model=tiny_model(0), config=SGD_CONFIG, dist_init_required=False)
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_the_names_training_loops_read(stage):
+    engine, _ = make(gas=2, zero_optimization={"stage": stage},
+                     zero_allow_untested_optimizer=True)  # fmt: skip
+    assert (engine.local_rank, engine.global_rank, engine.world_size) == (0, 0, 1)
+    assert engine.dp_world_size == 1 and engine.data_parallel_group is None
+    assert engine.device == torch.device("cpu") and engine.mpu is None
+    assert not engine.bfloat16_enabled() and not engine.fp16_enabled()
+    assert engine.zero_optimization() == (stage > 0)
+    for micro in range(2):
+        fwd_bwd(engine, 0, micro)
+        engine.step()
+    # DeepSpeed keeps the gradient norm of the last update at ZeRO stages 1 and 2 only.
+    norm = engine.get_global_grad_norm()
+    assert (norm is None) if stage == 0 else norm > 0
 
 
 # ---------------------------------------------------------------- a direct loss.backward()
@@ -225,8 +289,8 @@ def test_direct_backward_is_refused_at_stage_0_before_any_gradient(managed):
 
 def _counting_reductions(engine):
     calls = []
-    reduce = engine._update.reduce_gradients
-    engine._update.reduce_gradients = lambda: (calls.append(engine.micro_steps), reduce())[1]
+    reduce = engine.strategy.reduce_gradients
+    engine.strategy.reduce_gradients = lambda: (calls.append(engine.micro_steps), reduce())[1]
     return calls
 
 

@@ -104,7 +104,7 @@ def _reduce_per_parameter(steps, n, lr=0.1):
     import torch.distributed as dist
 
     from gas_lab.lessons.exercises.lesson02 import SEED
-    from gas_lab.lessons.toys import flat_params, micro_batch, tiny_model
+    from gas_lab.toys import flat_params, micro_batch, tiny_model
 
     rank, model = dist.get_rank(), tiny_model(SEED)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)

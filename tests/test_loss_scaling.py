@@ -12,9 +12,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from gas_lab.deepspeed_compat.fp16 import Fp16Loop
+from gas_lab.deepspeed_compat.loss_scaling import (
+    DynamicLossScaler,
+    LossScaleAtMinimum,
+    for_deepspeed,
+)
 from gas_lab.errors import ConfigError
-from gas_lab.lessons.fp16 import Fp16Loop
-from gas_lab.loss_scaling import DynamicLossScaler, LossScaleAtMinimum, for_deepspeed
 from gas_lab.measure.loss_scale import fp16_config, run_plan
 
 F, T = False, True

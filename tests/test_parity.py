@@ -34,8 +34,8 @@ def test_gas_lab_matches_deepspeed(cluster, name):
 
 
 def _collectives(cfg, kw, steps):
-    from gas_lab.lessons.toys import tiny_model
     from gas_lab.measure.parity import run_parity
+    from gas_lab.toys import tiny_model
 
     r = run_parity(cfg, steps=steps, **kw)
     grad_bytes = sum(p.numel() * p.element_size() for p in tiny_model(0).parameters())
@@ -69,7 +69,7 @@ def _batch_sizes(batches):
     import torch.distributed as dist
     from deepspeed.runtime.config import DeepSpeedConfig
 
-    from gas_lab.config import load_config
+    from gas_lab.deepspeed_compat.config import load_config
     from gas_lab.errors import ConfigError
 
     out = []
@@ -150,9 +150,9 @@ def _manual_loops():
     """Two managed-mode loops that parity.train does not cover, run on both libraries."""
     import torch
 
-    from gas_lab.engine import initialize
-    from gas_lab.lessons.toys import micro_batch, tiny_model
+    from gas_lab import initialize
     from gas_lab.measure.parity import BASE_CONFIG, deepspeed_initialize
+    from gas_lab.toys import micro_batch, tiny_model
 
     mse = torch.nn.functional.mse_loss
     rank = torch.distributed.get_rank()

@@ -9,8 +9,8 @@ import os
 import pytest
 import torch
 
-from gas_lab.config import load_config
-from gas_lab.precision import route
+from gas_lab.deepspeed_compat.config import load_config
+from gas_lab.deepspeed_compat.precision import route
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 TOL = 1e-6

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from gas_lab.engine import initialize
+from gas_lab import initialize
 from gas_lab.errors import ConfigError, RejectedCombination
-from gas_lab.lessons.toys import tiny_model
 from gas_lab.rules import matrix, prediction, refusals
+from gas_lab.toys import tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -284,8 +284,8 @@ def _position(case, op) -> int:
 def test_gas_lab_routes_precision_to_deepspeeds_optimizer_wrapper():
     """Every accepted in-scope case: the wrapper DeepSpeed built (measured) is the one gas_lab's
     precision.route mirrors (the bare optimizer where DeepSpeed has none)."""
-    from gas_lab.config import load_config
-    from gas_lab.precision import route
+    from gas_lab.deepspeed_compat.config import load_config
+    from gas_lab.deepspeed_compat.precision import route
 
     checked = [c for c in CASES if in_scope(c) and c["outcome"] == "accepted"]
     wrappers = set()
@@ -339,9 +339,9 @@ def _unsafe_vs_deepspeed(config, skip, set_boundary=None):
     import torch
     import torch.distributed as dist
 
-    from gas_lab.lessons.toys import flat_params, micro_batch, tiny_model
     from gas_lab.measure.comm import count_collectives
     from gas_lab.rules import unsafe
+    from gas_lab.toys import flat_params, micro_batch, tiny_model
 
     out = {}
     for lib in ("gas_lab", "deepspeed"):
@@ -410,7 +410,7 @@ def test_unsafe_set_boundary_matches_deepspeed(cluster, flag):
 
 
 def _flat_initial():
-    from gas_lab.lessons.toys import flat_params, tiny_model
+    from gas_lab.toys import flat_params, tiny_model
 
     return flat_params(tiny_model(0))
 
@@ -434,9 +434,9 @@ def _direct_backward_at_stage_0():
     import torch
     import torch.distributed as dist
 
-    from gas_lab.lessons.toys import flat_params, micro_batch, tiny_model
     from gas_lab.measure.comm import count_collectives
     from gas_lab.rules import unsafe
+    from gas_lab.toys import flat_params, micro_batch, tiny_model
 
     config = {**UNSAFE_BASE, "managed_gradient_accumulation": True}
     out = {}
@@ -476,8 +476,8 @@ def _direct_backward_unmanaged(lib, config):
     import torch
     import torch.distributed as dist
 
-    from gas_lab.lessons.toys import flat_params, micro_batch, tiny_model
     from gas_lab.measure.parity import initializer
+    from gas_lab.toys import flat_params, micro_batch, tiny_model
 
     model = tiny_model(0)
     engine = initializer(lib)(model=model, model_parameters=model.parameters(), config=config)[0]
@@ -515,8 +515,8 @@ def test_unsafe_deepcompile_is_plain_at_stage_0_and_fails_in_step_at_zero1(stage
     """DeepCompile, modelled from DeepSpeed's source: stage 0 falls back to torch.compile (the
     engine trains as without it); at ZeRO-1 no backward() is the boundary, so the averaged
     gradients step() reads were never set (DeepSpeed: KeyError)."""
-    from gas_lab.lessons.toys import micro_batch
     from gas_lab.rules import unsafe
+    from gas_lab.toys import micro_batch
 
     config = {
         **UNSAFE_BASE,

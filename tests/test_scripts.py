@@ -42,3 +42,77 @@ def test_hello_ranks_under_torchrun_matches_the_notebook_runtime(cluster):
     # The same function on the notebook's persistent ranks gives the same parameters.
     in_notebook = cluster.run(hello.train_tiny_deepspeed, 3, timeout=300)
     assert in_notebook[0]["params"].sum().item() == pytest.approx(out["params_sum"], abs=1e-6)
+
+
+# ------------------------------------------------ a script written for DeepSpeed, run on gas_lab
+SCRIPT = ROOT / "tutorials/scripts/deepspeed_style.py"
+CONFIG = ROOT / "tutorials/scripts/ds_config.json"
+
+
+def _json_lines(script: str, *args: str) -> list[dict]:
+    """Every JSON line rank 0 printed (torchrun, 2 CPU processes)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(ROOT / "tutorials/scripts" / script), *args]  # fmt: skip
+    env = os.environ | {"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return [json.loads(ln) for ln in proc.stdout.splitlines() if ln.startswith("{")]
+
+
+def _assert_same_run(ours: list[dict], theirs: list[dict]) -> None:
+    steps = [r for r in theirs if "summary" not in r]
+    assert len(steps) >= 6 and len(ours) == len(theirs)
+    for a, b in zip(ours, theirs, strict=True):
+        if "summary" in a:
+            assert a["params_sum"] == pytest.approx(b["params_sum"], abs=1e-5)
+            continue
+        assert abs(a["loss"] - b["loss"]) <= 1e-6, (a, b)
+        assert (a["global_steps"], a["global_samples"]) == (b["global_steps"], b["global_samples"])
+        assert (a["grad_norm"] is None) == (b["grad_norm"] is None), (a, b)
+        if a["grad_norm"] is not None:
+            assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
+    assert len({round(r["loss"], 4) for r in steps}) > 1  # it trained: the loss moved
+
+
+@pytest.mark.ranks
+def test_a_deepspeed_style_script_runs_unchanged_on_gas_lab():
+    """Fresh processes, DeepSpeed's usual launch: ``--deepspeed_config`` read from ``args``,
+    ``args.local_rank`` set, ``deepspeed.comm`` ready after ``initialize``, the engine's
+    loader and attributes; only ``--engine`` differs, and so do no numbers."""
+    flags = ["--deepspeed", "--deepspeed_config", str(CONFIG)]
+    ours = _json_lines("deepspeed_style.py", *flags, "--engine", "gas_lab")
+    theirs = _json_lines("deepspeed_style.py", *flags, "--engine", "deepspeed")
+    assert ours[-1]["engine"] == "gas_lab" and theirs[-1]["engine"] == "deepspeed"
+    _assert_same_run([{k: v for k, v in r.items() if k != "engine"} for r in ours],
+                     [{k: v for k, v in r.items() if k != "engine"} for r in theirs])  # fmt: skip
+
+
+def _script_run(argv: list[str]) -> list[dict]:
+    """On a rank: the script's main() as it is, with ``argv``."""
+    import importlib.util
+    import io
+    from contextlib import redirect_stdout
+
+    spec = importlib.util.spec_from_file_location("deepspeed_style", SCRIPT)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    with redirect_stdout(io.StringIO()):
+        return script.main(argv)
+
+
+@pytest.mark.ranks
+@pytest.mark.parametrize("managed", [True, False], ids=["managed", "unmanaged"])
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_the_script_matches_deepspeed_at_every_stage(cluster, tmp_path, stage, managed):
+    config = json.loads(CONFIG.read_text())
+    config["zero_optimization"]["stage"] = stage
+    config["managed_gradient_accumulation"] = managed
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(config))
+    argv = ["--deepspeed", "--deepspeed_config", str(path)]
+    logs = {
+        engine: cluster.run(_script_run, [*argv, "--engine", engine], timeout=300)
+        for engine in ("gas_lab", "deepspeed")
+    }
+    for ours, theirs in zip(logs["gas_lab"], logs["deepspeed"], strict=True):
+        _assert_same_run(ours, theirs)

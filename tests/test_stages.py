@@ -6,9 +6,9 @@ offload, and different N per rank at ZeRO-2/3: the failure, bounded, and the pad
 import pytest
 import torch
 
-from gas_lab.lessons.toys import tiny_model, wide_mlp
 from gas_lab.measure.memory import CATEGORIES, project_census
 from gas_lab.measure.stages import config
+from gas_lab.toys import tiny_model, wide_mlp
 
 GRAD = sum(p.numel() for p in tiny_model(0).parameters()) * 4  # 232 bytes
 NS = [1, 2, 3, 4]
@@ -72,7 +72,7 @@ def _census(lib, stage, wide, extra):
 @pytest.mark.ranks
 @pytest.mark.parametrize("wide", [False, True], ids=["tiny", "wide-1M"])
 def test_memory_per_rank_by_stage(cluster, wide):
-    from gas_lab.lessons.toys import tiny_model as tiny
+    from gas_lab.toys import tiny_model as tiny
 
     model = (wide_mlp if wide else tiny)(0)
     numel, tensors = sum(p.numel() for p in model.parameters()), len(list(model.parameters()))
@@ -113,9 +113,9 @@ def test_memory_per_rank_by_stage(cluster, wide):
 
 
 def _offload(stage, managed, clip, offload):
-    from gas_lab.lessons.toys import flat_params
     from gas_lab.measure.parity import initializer, train
     from gas_lab.measure.stages import held_memory
+    from gas_lab.toys import flat_params
 
     zero = {"offload_optimizer": {"device": "cpu"}} if offload else {}
     cfg = config(stage, managed, zero_optimization=zero, gradient_clipping=clip)
@@ -162,8 +162,8 @@ def test_different_n_per_rank_kills_a_rank_at_stage_2_and_3(cluster, lib, stage)
 
 def _padded(lib, stage):
     from gas_lab.lessons.loops import equal_n_train
-    from gas_lab.lessons.toys import flat_params
     from gas_lab.measure.parity import initializer
+    from gas_lab.toys import flat_params
 
     engine, log = equal_n_train(initializer(lib), config(stage, managed=False), 3, _n_per_rank)
     return flat_params(engine.module), log.count("all_reduce"), log.count("reduce_scatter")

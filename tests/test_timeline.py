@@ -20,8 +20,8 @@ matplotlib.use("Agg")
 
 from gas_lab import timeline as cli  # noqa: E402
 from gas_lab.lessons import timeline_plots as tp  # noqa: E402
-from gas_lab.lessons.toys import tiny_model  # noqa: E402
 from gas_lab.measure import timeline as tl  # noqa: E402
+from gas_lab.toys import tiny_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 W = 2

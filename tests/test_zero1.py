@@ -9,10 +9,9 @@ import torch
 from parity_support import ADAM, ADAMW, SGD, TOL, assert_same, run_case
 from parity_support import config as shared_config
 
-from gas_lab.config import load_config
+from gas_lab import initialize
 from gas_lab.dp import clip_by_norm
-from gas_lab.engine import initialize
-from gas_lab.lessons.toys import micro_batch, tiny_model
+from gas_lab.toys import micro_batch, tiny_model
 from gas_lab.zero1 import ALIGNMENT, Layout, ShardedUpdate, global_norm
 
 
@@ -87,8 +86,8 @@ def single_process(monkeypatch):
 def test_stage_1_on_one_process_is_stage_0(managed, n_per_step, optimizer, clip, model_fn):
     zero, opt = _train(1, optimizer, managed, clip, n_per_step, model_fn)
     plain, _ = _train(0, optimizer, managed, clip, n_per_step, model_fn)
-    assert isinstance(zero._update, ShardedUpdate) and zero.zero_optimization_stage() == 1
-    assert [p for g in opt.param_groups for p in g["params"]] == zero._update.master_shards
+    assert isinstance(zero.strategy, ShardedUpdate) and zero.zero_optimization_stage() == 1
+    assert [p for g in opt.param_groups for p in g["params"]] == zero.strategy.master_shards
     for (name, ours), theirs in zip(
         zero.module.named_parameters(), plain.module.parameters(), strict=True
     ):
@@ -133,7 +132,7 @@ def test_gradients_read_as_deepspeed_users_read_them():
     for g, p in zip(reduced, params, strict=True):
         assert g.dtype == torch.float32 and g.shape == p.shape
     full = torch.cat([g.flatten() for g in reduced])  # one rank: its shard is everything
-    (group,) = engine._update.groups
+    (group,) = engine.strategy.groups
     assert torch.equal(full, group.grad_shard[: full.numel()])
     engine.step()
     with pytest.raises(ValueError, match="only available immediately after backward"):
@@ -145,7 +144,7 @@ def test_gradients_read_as_deepspeed_users_read_them():
 @pytest.mark.usefixtures("single_process")
 def test_weights_are_views_of_the_flat_buffer():
     engine, _ = _train(1, ADAM, True, 1.0, [3])
-    (group,) = engine._update.groups
+    (group,) = engine.strategy.groups
     for p, offset in zip(group.params, group.layout.offsets, strict=True):
         assert p.data_ptr() == group.flat[offset:].data_ptr()  # no copy: the gather lands here
     assert torch.equal(group.flat[: group.layout.numel], group.master[: group.layout.numel])
@@ -156,11 +155,10 @@ def test_a_param_group_of_mixed_dtypes_is_refused():
         torch.nn.Parameter(torch.zeros(3)),
         torch.nn.Parameter(torch.zeros(3, dtype=torch.float64)),
     ]
-    cfg = load_config({"train_micro_batch_size_per_gpu": 1, "gradient_clipping": 0.0})
     with pytest.raises(TypeError, match="one dtype"):
-        ShardedUpdate(params, torch.optim.SGD(params, lr=0.1), None, cfg)
+        ShardedUpdate(params, torch.optim.SGD(params, lr=0.1))
     with pytest.raises(ValueError, match="reduce must be"):
-        ShardedUpdate(params, torch.optim.SGD(params, lr=0.1), None, cfg, reduce="broadcast")
+        ShardedUpdate(params, torch.optim.SGD(params, lr=0.1), reduce="broadcast")
 
 
 def test_sharded_clipping_without_a_group_is_torch_clipping():
@@ -294,21 +292,10 @@ def test_a_step_without_backward(cluster):
 
 
 def _sharded_initialize(mode):
-    """An initialize() like gas_lab's, with the reduction mode of ShardedUpdate chosen."""
-    import torch.distributed as dist
+    """gas_lab's initialize() with the reduction mode of ShardedUpdate chosen."""
+    from gas_lab.deepspeed_compat.strategies import strategy_for
 
-    from gas_lab.config import load_config
-    from gas_lab.engine import Engine
-
-    def init(model, model_parameters, config):
-        cfg = load_config(config, world_size=dist.get_world_size())
-        strategy = functools.partial(ShardedUpdate, reduce=mode)
-        engine = Engine(
-            model, cfg.optimizer.torch_optimizer(model_parameters), cfg, dist.group.WORLD, strategy
-        )
-        return engine, engine.optimizer, None, None
-
-    return init
+    return functools.partial(initialize, strategy=strategy_for(1, reduce=mode))
 
 
 def _collectives(cfg, kw, steps):
@@ -376,9 +363,9 @@ def _loop_by_op(lib, cfg, loop, steps=2, n=None):
     """
     import torch.distributed as dist
 
-    from gas_lab.lessons.toys import flat_params
     from gas_lab.measure.comm import count_collectives
     from gas_lab.measure.parity import deepspeed_initialize
+    from gas_lab.toys import flat_params
 
     init = initialize if lib == "gas_lab" else deepspeed_initialize()
     model = tiny_model(0)
@@ -446,7 +433,7 @@ def test_coalesce_grad_reduction_matches_deepspeed(cluster, cfg):
             [[]] * (gas - 1) + [["all_reduce", "all_gather"]]
         ) * 2
     # The same training as the loop without the block, and the replicas agree on it.
-    from gas_lab.lessons.toys import flat_params
+    from gas_lab.toys import flat_params
 
     plain = cluster.run(_loop_by_op, "gas_lab", cfg, "engine", timeout=60)
     for out, ref in zip(ranks, plain, strict=True):

@@ -14,8 +14,8 @@ from parity_support import ADAM, ADAMW, SGD
 from parity_support import config as shared_config
 from test_zero1 import PartlyFrozen
 
-from gas_lab.engine import initialize
-from gas_lab.lessons.toys import micro_batch, tiny_model, wide_mlp
+from gas_lab import initialize
+from gas_lab.toys import micro_batch, tiny_model, wide_mlp
 from gas_lab.zero2 import PartitionedGradientUpdate, _owned_slices
 
 TESTS = str(Path(__file__).resolve().parent)
@@ -79,7 +79,7 @@ def _train(stage, optimizer, managed, clip, n_per_step, model_fn=tiny_model):
 def test_stage_2_on_one_process_is_stage_1(managed, n_per_step, optimizer, model_fn):
     two = _train(2, optimizer, managed, 0.05, n_per_step, model_fn)
     one = _train(1, optimizer, managed, 0.05, n_per_step, model_fn)
-    assert isinstance(two._update, PartitionedGradientUpdate)
+    assert isinstance(two.strategy, PartitionedGradientUpdate)
     for p, q in zip(two.module.parameters(), one.module.parameters(), strict=True):
         assert (p - q).abs().max().item() <= 1e-6
     assert max((p - q).abs().max() for p, q in zip(
@@ -89,8 +89,8 @@ def test_stage_2_on_one_process_is_stage_1(managed, n_per_step, optimizer, model
 # ---------------------------------------------------------------- 2 ranks: == DeepSpeed stage 2
 def _phase_parity(cfg, kw):
     """On a rank: the same loop on gas_lab and DeepSpeed, each call's collectives recorded."""
-    from gas_lab.lessons.toys import flat_params
     from gas_lab.measure.parity import initializer, train
+    from gas_lab.toys import flat_params
 
     kw = dict(kw)
     if kw.pop("wide", False):
@@ -200,9 +200,9 @@ def _unmanaged_boundary_calls(lib, cfg):
     import torch
     import torch.distributed as dist
 
-    from gas_lab.lessons.toys import micro_batch, tiny_model
     from gas_lab.measure.comm import count_collectives
     from gas_lab.measure.parity import initializer
+    from gas_lab.toys import micro_batch, tiny_model
 
     model = tiny_model(0)
     engine = initializer(lib)(model=model, model_parameters=model.parameters(), config=cfg)[0]
@@ -243,9 +243,9 @@ def _checkpoint_round_trip(folder, cfg):
     import torch
     import torch.distributed as dist
 
-    from gas_lab.engine import initialize
-    from gas_lab.lessons.toys import flat_params, micro_batch
+    from gas_lab import initialize
     from gas_lab.measure.parity import train
+    from gas_lab.toys import flat_params, micro_batch
 
     a = train(initialize, cfg, 2, [2, 1])[0]
     a.save_checkpoint(folder, tag="t")

@@ -54,7 +54,7 @@ class Runner:
     """One library's model and loop; ``run(first, steps)`` trains optimizer steps in order."""
 
     def __init__(self, library: str, config: dict, args, device):
-        from gas_lab.config import load_config
+        from gas_lab.deepspeed_compat.config import load_config
 
         self.library, self.args, self.device = library, args, device
         self.gas = config["gradient_accumulation_steps"]
@@ -67,7 +67,7 @@ class Runner:
                 model=model, model_parameters=model.parameters(), config=config
             )[0]
         elif library == "gas_lab":
-            from gas_lab.engine import initialize
+            from gas_lab.deepspeed_compat.engine import initialize
 
             model.to(device)
             self.engine = initialize(

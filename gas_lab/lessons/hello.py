@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from gas_lab.lessons.toys import flat_params, regression_mlp
+from gas_lab.toys import flat_params, regression_mlp
 
 
 def all_reduce_hello() -> dict:

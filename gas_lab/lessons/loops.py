@@ -1,7 +1,7 @@
 """Loops the lessons measure, beyond the engine's own (lesson 02).
 
 Every function here runs on *every* rank (inside ``cluster.run``) and uses the deterministic
-data of :mod:`gas_lab.lessons.toys`, so any process can rebuild what every rank saw. The answer
+data of :mod:`gas_lab.toys`, so any process can rebuild what every rank saw. The answer
 such a loop should reach is :func:`gas_lab.measure.parity.reference_params`.
 
 * :func:`ddp_train`: ``torch.nn.parallel.DistributedDataParallel`` with ``no_sync()`` wrapped
@@ -18,9 +18,9 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from gas_lab.lessons.toys import flat_params, micro_batch, tiny_model
 from gas_lab.measure.comm import count_collectives
 from gas_lab.measure.parity import quiet_deepspeed
+from gas_lab.toys import flat_params, micro_batch, tiny_model
 
 #: Where ``no_sync()`` goes in :func:`ddp_train`: around forward *and* backward (as torch's docs
 #: ask), around the backward only (the trap), or nowhere (plain DDP: reduce every micro-batch).

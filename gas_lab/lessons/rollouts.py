@@ -25,9 +25,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from gas_lab.accumulate import Batch, Window, normalized_loss, token_loss
-from gas_lab.config import load_config
+from gas_lab.deepspeed_compat.config import load_config
 from gas_lab.dp import global_count
-from gas_lab.lessons.toys import TinyTransformer, flat_params
+from gas_lab.toys import TinyTransformer, flat_params
 
 
 # ---------------------------------------------------------------- the rollouts

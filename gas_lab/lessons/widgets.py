@@ -27,7 +27,7 @@ from gas_lab.accumulate import (
     split_batch,
     token_loss,
 )
-from gas_lab.lessons.toys import TinySeqModel, sequence_batch, spread_lengths
+from gas_lab.toys import TinySeqModel, sequence_batch, spread_lengths
 
 
 @contextlib.contextmanager

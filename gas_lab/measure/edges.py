@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from gas_lab.lessons.toys import flat_params, micro_batch, tiny_model
 from gas_lab.measure.parity import initializer
+from gas_lab.toys import flat_params, micro_batch, tiny_model
 
 
 def events(managed: bool, micro_batches: list[int]) -> list[tuple]:

@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from gas_lab.lessons.toys import flat_params, micro_batch, tiny_model
+from gas_lab.toys import flat_params, micro_batch, tiny_model
 
 SCHEDULES = {"idle": ((2, 2), (0, 2), (2, 2)), "all_idle": ((2, 2), (0, 0), (2, 2))}
 LOOPS = ("raw", "workaround")
@@ -154,7 +154,7 @@ def reference(managed: bool, clip: float, schedule: str, world_size: int = 2) ->
 def cases(libs=("deepspeed", "gas_lab")) -> list[dict]:
     """Every case: library x ZeRO stage (gas_lab: the ones it has) x managed x clipping x
     schedule x loop."""
-    from gas_lab.update import strategy_for
+    from gas_lab.deepspeed_compat.strategies import strategy_for
 
     out = []
     for lib in libs:

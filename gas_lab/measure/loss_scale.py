@@ -1,4 +1,4 @@
-"""Run one fp16 loop, with forced overflows, on gas_lab's :class:`~gas_lab.lessons.fp16.Fp16Loop`
+"""Run one fp16 loop, with forced overflows, on gas_lab's :class:`~gas_lab.deepspeed_compat.fp16.Fp16Loop`
 or on DeepSpeed's fp16 engine, and record what each step did.
 
 A *plan* says, for each optimizer step, which micro-batch (if any) gets its loss multiplied by
@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from gas_lab.lessons.fp16 import Fp16Loop
-from gas_lab.lessons.toys import flat_params, micro_batch, tiny_model
+from gas_lab.deepspeed_compat.fp16 import Fp16Loop
+from gas_lab.toys import flat_params, micro_batch, tiny_model
 
 FIELDS = ("scale", "applied", "skipped_steps", "global_steps", "global_samples", "micro_steps")
 

@@ -164,7 +164,7 @@ def census(engine, depth: int = 4) -> dict[str, int]:
             for key, value in vars(obj).items():
                 walk(f"{name}.{key}", value, levels - 1)
 
-    holder = getattr(engine, "_update", None) or engine.optimizer  # gas_lab's strategy, or ZeRO
+    holder = getattr(engine, "strategy", None) or engine.optimizer  # gas_lab's strategy, or ZeRO
     walk("", holder, depth)
     return out
 

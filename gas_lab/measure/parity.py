@@ -22,12 +22,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from gas_lab import engine as gas_engine
-from gas_lab.config import load_config
+from gas_lab.deepspeed_compat.config import load_config
+from gas_lab.deepspeed_compat.engine import initialize as gas_initialize
 from gas_lab.dp import init_from_env
-from gas_lab.lessons.toys import flat_params, micro_batch, tiny_model
 from gas_lab.measure.comm import Phase, count_collectives
-from gas_lab.rules import refusals
+from gas_lab.rules import calls, refusals
+from gas_lab.toys import flat_params, micro_batch, tiny_model
 
 # A working base config for examples: tiny batches, Adam from torch (no fused-Adam JIT build).
 BASE_CONFIG = {
@@ -170,14 +170,14 @@ def initializer(library: str) -> Callable:
     """
     if library not in LIBRARIES:
         raise ValueError(f"library {library!r}: choose from {LIBRARIES}")
-    return gas_engine.initialize if library == "gas_lab" else deepspeed_initialize()
+    return gas_initialize if library == "gas_lab" else deepspeed_initialize()
 
 
 def run_parity(config: dict, steps: int = 3, **kw) -> ParityResult:
     """Train on gas_lab, then on DeepSpeed, from the same seed; compare (on every rank)."""
     ds_init = deepspeed_initialize()
     engines, counters, losses, collectives = {}, {}, {}, {}
-    for name, init in (("gas_lab", gas_engine.initialize), ("deepspeed", ds_init)):
+    for name, init in (("gas_lab", gas_initialize), ("deepspeed", ds_init)):
         engines[name], counters[name], losses[name], log = train(init, config, steps, **kw)
         collectives[name] = log.by_kind()
     ours = dict(engines["gas_lab"].module.named_parameters())
@@ -196,49 +196,15 @@ def check_rule(rule: refusals.Rule, base: dict | None = None) -> dict[str, BaseE
     """Run ``rule.example`` on gas_lab and on DeepSpeed; return what each raised (or None)."""
     config = refusals.example_config(rule, base or BASE_CONFIG)
     out = {}
-    for name, init in (("gas_lab", gas_engine.initialize), ("deepspeed", deepspeed_initialize())):
+    for name, init in (("gas_lab", gas_initialize), ("deepspeed", deepspeed_initialize())):
         try:
-            _trigger(init, config, rule.example)
+            model = calls.model(rule.example.pipeline)
+            engine, *_ = init(model=model, model_parameters=model.parameters(), config=config)
+            calls.perform(engine, rule.example.ops)
             out[name] = None
         except Exception as err:  # the point is to catch and compare whatever is raised
             out[name] = err
     return out
-
-
-def _trigger(initialize, config, example: refusals.Example) -> None:
-    if example.pipeline:
-        from deepspeed.pipe import PipelineModule
-
-        model = PipelineModule(layers=list(tiny_model(0)), num_stages=1, loss_fn=torch.nn.MSELoss())
-    else:
-        model = tiny_model(0)
-    engine, _, _, _ = initialize(model=model, model_parameters=model.parameters(), config=config)
-    x, y = micro_batch(0, 0, 0, 0, engine.train_micro_batch_size_per_gpu())
-    if example.action == "set_boundary":
-        engine.set_gradient_accumulation_boundary(True)
-    elif example.action == "coalesce":
-        with engine.coalesce_grad_reduction():
-            pass
-    elif example.action == "step_in_no_sync":
-        with engine.no_sync():
-            engine.backward(torch.nn.functional.mse_loss(engine(x), y))
-            engine.step()
-    elif example.action == "no_sync_twice":
-        with engine.no_sync(), engine.no_sync():
-            pass
-    elif example.action == "coalesce_in_no_sync":
-        with engine.no_sync(), engine.coalesce_grad_reduction():
-            pass
-    elif example.action == "tensor_backward":
-        torch.nn.functional.mse_loss(engine(x), y).backward()
-    elif example.action == "idle_step":  # every rank idle: DeepSpeed fails on all of them
-        engine.step()
-    elif example.action == "idle_window":  # a window with data, then one without
-        engine.backward(torch.nn.functional.mse_loss(engine(x), y))
-        engine.step()
-        engine.step()
-    elif example.action != "initialize":
-        raise ValueError(f"unknown example action {example.action!r}")
 
 
 def reference_params(
@@ -257,7 +223,7 @@ def reference_params(
     ``parity.train``), averages the loss over all of their samples (every sample weighs the
     same), clips at ``clip`` if it is > 0, and takes one step of the optimizer the config
     names, built as DeepSpeed builds it (type "Adam" is AdamW; without ``torch_adam``,
-    FusedAdam's defaults: :mod:`gas_lab.optimizers`). Runs anywhere; no collectives.
+    FusedAdam's defaults: :mod:`gas_lab.deepspeed_compat.optimizers`). Runs anywhere; no collectives.
     If ``grad_norms`` is a list, each step's gradient norm (before clipping) is appended to it.
     A step without data anywhere steps on zero gradients, as DeepSpeed's engines do (stage 0),
     or, with ``skip_empty``, does not update (a loop that skips it: lesson 07).

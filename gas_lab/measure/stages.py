@@ -1,7 +1,7 @@
 """What each ZeRO stage sends and holds, measured on a rank (lesson 09).
 
 Every function runs on *every* rank (inside ``cluster.run``), on gas_lab or on DeepSpeed
-(``library``), with the deterministic data of :mod:`gas_lab.lessons.toys`:
+(``library``), with the deterministic data of :mod:`gas_lab.toys`:
 
 * :func:`traffic`: the collectives of every call of a training loop, and the bytes of each
   optimizer step after a warm-up (ZeRO-3 checks its parameter-fetch schedule on the first two);
@@ -15,10 +15,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from gas_lab.lessons.toys import micro_batch, tiny_model
 from gas_lab.measure.comm import bytes_per_step
 from gas_lab.measure.memory import census
 from gas_lab.measure.parity import initializer, quiet_deepspeed, train
+from gas_lab.toys import micro_batch, tiny_model
 
 ADAM = {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}}
 WARMUP = 2  # optimizer steps before traffic is counted as steady

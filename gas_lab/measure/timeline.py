@@ -33,11 +33,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-import gas_lab
-from gas_lab.dp import init_from_env
-from gas_lab.lessons.toys import micro_batch, tiny_model
 from gas_lab.measure.comm import KINDS, count_collectives
-from gas_lab.measure.parity import quiet_deepspeed
+from gas_lab.measure.parity import initializer, quiet_deepspeed
+from gas_lab.toys import micro_batch, tiny_model
 
 ENGINE_CALLS = ("forward", "backward", "step")
 LIBRARIES = ("gas_lab", "deepspeed")
@@ -226,14 +224,10 @@ def config(stage: int, mode: str, gas: int, gradient_clipping: float = 1.0) -> d
 
 
 def _initialize(library: str):
-    if library == "gas_lab":
-        return gas_lab.initialize
-    init_from_env()  # DeepSpeed needs a process group (a group of one outside a launcher)
-    import deepspeed  # late: slow to import
-
-    # Its start-up report (config, memory) would bury the timeline's own lines.
-    logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
-    return deepspeed.initialize
+    if library == "deepspeed":
+        # Its start-up report (config, memory) would bury the timeline's own lines.
+        logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
+    return initializer(library)
 
 
 def record_run(

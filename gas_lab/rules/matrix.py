@@ -2,11 +2,11 @@
 
     .venv/bin/python -m gas_lab.rules.matrix     # writes data/deepspeed_<version>_matrix.json
 
-Every case is a config plus a small script of operations ("ops") run after ``initialize``:
-``backward`` (forward + ``engine.backward(loss)``), ``tensor_backward`` (forward +
-``loss.backward()``), ``step``, ``set_boundary_true``/``set_boundary_false``,
-``enter_no_sync``/``exit_no_sync``, ``enter_coalesce``/``exit_coalesce`` and ``train_batch``
-(pipelines). For each case the file records: accepted or rejected, the exception type and
+Every case is a config plus a small script of operations ("ops") run after ``initialize``,
+each named once in :mod:`gas_lab.rules.calls`: ``backward`` (forward + ``engine.backward(loss)``),
+``tensor_backward`` (forward + ``loss.backward()``), ``step``,
+``set_boundary_true``/``set_boundary_false``, ``enter_no_sync``/``exit_no_sync``,
+``enter_coalesce``/``exit_coalesce`` and ``train_batch`` (pipelines). For each case the file records: accepted or rejected, the exception type and
 message, the op that raised and its moment (``initialize``, ``call`` or ``context``: entering a
 with-block), and for accepted cases what DeepSpeed actually built (the optimizer class, the
 effective ``managed_gradient_accumulation``) and its counters at the end.
@@ -25,6 +25,8 @@ import sys
 import time
 from pathlib import Path
 
+from gas_lab.rules import calls
+
 DATA = Path(__file__).resolve().parents[2] / "data"  # the repository's data/ folder
 GAS = 2  # gradient_accumulation_steps of every case
 BASE = {
@@ -38,7 +40,6 @@ TRAIN = {  # one optimizer step; unmanaged runs 3 micro-batches on purpose (N !=
     True: ["backward", "step", "backward", "step"],
     False: ["backward", "backward", "backward", "step"],
 }
-MOMENT = {"initialize": "initialize", "enter_no_sync": "context", "enter_coalesce": "context"}
 NOTES = [  # choices made when measuring, written into the file
     "Adam with torch_adam: true everywhere. With offload_optimizer device cpu DeepSpeed then "
     "wraps torch.optim.AdamW, so no cpu_adam JIT build (minutes) is needed; DeepSpeedCPUAdam "
@@ -155,72 +156,23 @@ def cases() -> list[dict]:
 
 
 # ------------------------------------------------------------------------------- running a case
-def _model(pipeline: bool):
-    import torch
-
-    from gas_lab.lessons.toys import tiny_model
-
-    if not pipeline:
-        return tiny_model(0)
-    import deepspeed
-    import torch.distributed as dist
-    from deepspeed.pipe import PipelineModule
-
-    if dist.is_initialized():  # a PipelineModule needs deepspeed.comm, which initialize starts
-        deepspeed.init_distributed(dist_backend=dist.get_backend())
-
-    return PipelineModule(layers=list(tiny_model(0)), num_stages=1, loss_fn=torch.nn.MSELoss())
-
-
-def _run_op(engine, op, state, contexts):
-    import torch
-    import torch.distributed as dist
-
-    from gas_lab.lessons.toys import micro_batch
-
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    size = engine.train_micro_batch_size_per_gpu()
-    if op in ("backward", "tensor_backward", "train_batch"):
-        dtype = next(engine.module.parameters()).dtype  # bf16 engines cast the model
-        x, y = (t.to(dtype) for t in micro_batch(0, 0, state["micro"], rank, size))
-        state["micro"] += 1
-        if op == "train_batch":
-            return engine.train_batch(
-                data_iter=iter([(x, y)] * engine.gradient_accumulation_steps())
-            )
-        loss = torch.nn.functional.mse_loss(engine(x), y)
-        return engine.backward(loss) if op == "backward" else loss.backward()
-    if op == "step":
-        return engine.step()
-    if op.startswith("set_boundary_"):
-        return engine.set_gradient_accumulation_boundary(op == "set_boundary_true")
-    if op.startswith("enter_"):
-        ctx = engine.no_sync() if op == "enter_no_sync" else engine.coalesce_grad_reduction()
-        ctx.__enter__()
-        contexts.append(ctx)
-    elif op.startswith("exit_"):
-        contexts.pop().__exit__(None, None, None)
-    else:
-        raise ValueError(f"unknown op {op!r}")
-
-
-def run_case(initialize, case: dict, model_fn=_model) -> dict:
+def run_case(initialize, case: dict, model_fn=calls.model) -> dict:
     """Run one case with ``initialize`` (DeepSpeed's or gas_lab's) on this rank.
 
     ``model_fn(pipeline)`` builds the model (tests swap in a stand-in PipelineModule).
     """
-    state, contexts, op = {"micro": 0}, [], "initialize"
+    script, op = calls.Script(), "initialize"
     try:
         model = model_fn(case["pipeline"])
         engine, *_ = initialize(model=model, model_parameters=model.parameters(),
                                 config=json.loads(json.dumps(case["config"])))  # fmt: skip
         for op in case["ops"]:
-            _run_op(engine, op, state, contexts)
+            calls.perform(engine, [op], script)
     except Exception as err:  # the point: record whatever is raised, wherever
         return {"outcome": "rejected", "exception": type(err).__name__,
                 "is_a": _exception_types(err),
                 "message": str(err).strip(), "raised_in": op,
-                "moment": MOMENT.get(op, "call")}  # fmt: skip
+                "moment": calls.call_of(op).moment}  # fmt: skip
     optimizer = getattr(engine, "optimizer", None)
     return {
         "outcome": "accepted", "exception": None, "message": None, "raised_in": None,
@@ -243,7 +195,7 @@ def measure(selected: list[dict], engine: str = "deepspeed") -> list[dict]:
     """On a rank: run every case with DeepSpeed (or gas_lab); quiet DeepSpeed's logging."""
     import logging
 
-    from gas_lab.engine import initialize as gas_initialize
+    from gas_lab.deepspeed_compat.engine import initialize as gas_initialize
     from gas_lab.measure.parity import deepspeed_initialize
 
     init = deepspeed_initialize() if engine == "deepspeed" else gas_initialize
@@ -255,15 +207,15 @@ def main(out: Path | None = None) -> Path:
     import deepspeed
     import torch
 
-    import gas_lab
+    from gas_lab.runtime.cluster import start_cluster, stop_cluster
 
     all_cases = cases()
     t0 = time.perf_counter()
-    cluster = gas_lab.start_cluster(world_size=2, device="cpu")  # the matrix is a CPU one
+    cluster = start_cluster(world_size=2, device="cpu")  # the matrix is a CPU one
     try:
         per_rank = cluster.run(measure, all_cases, timeout=600)
     finally:
-        gas_lab.stop_cluster()
+        stop_cluster()
     for case, *results in zip(all_cases, *per_rank, strict=True):
         if any(r != results[0] for r in results):  # would mean a rank-dependent rule
             raise RuntimeError(f"ranks disagree on {case['id']}: {results}")

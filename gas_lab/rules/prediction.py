@@ -1,7 +1,7 @@
 """What DeepSpeed does with a config and a script of engine calls, predicted from the rules.
 
-``tools/measure_matrix.py`` ran DeepSpeed 0.19.8 on 2 CPU ranks for every combination that
-matters and wrote down what happened: accepted, or which exception at which call. That file is
+``python -m gas_lab.rules.matrix`` ran DeepSpeed 0.19.8 on 2 CPU ranks for every combination
+that matters and wrote down what happened: accepted, or which exception at which call. That file is
 :func:`measured_matrix`. :func:`predict` answers the same question from the data in
 ``gas_lab/rules/refusals.py`` alone, walking the same script of calls; ``tests/test_rules.py`` checks
 that the two agree on every measured case, so the rules are known to be complete::
@@ -17,19 +17,11 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from gas_lab.config import parse
+from gas_lab.deepspeed_compat.config import parse
+from gas_lab.engine import is_boundary
 from gas_lab.rules import matrix
+from gas_lab.rules.calls import situation_action
 from gas_lab.rules.refusals import ALL_RULES, Rule, Situation, first_violation
-
-# What each op of tools/measure_matrix.py calls on the engine (ops not listed check nothing).
-OP_ACTIONS = {
-    "set_boundary_true": "set_gradient_accumulation_boundary",
-    "set_boundary_false": "set_gradient_accumulation_boundary",
-    "enter_no_sync": "no_sync",
-    "enter_coalesce": "coalesce_grad_reduction",
-    "step": "step",
-    "tensor_backward": "tensor.backward",
-}
 
 
 def predict(
@@ -37,7 +29,7 @@ def predict(
 ) -> tuple[Rule | None, str | None]:
     """What DeepSpeed 0.19.8 does (on the CPU accelerator, as measured), from the rules data
     alone: ``(rule, op)`` for the first refusal (``op`` is "initialize" or one of ``ops``, the
-    op names of ``tools/measure_matrix.py``), or ``(None, None)`` if it runs.
+    ops of :mod:`gas_lab.rules.calls`), or ``(None, None)`` if it runs.
 
     Raises ``config.ConfigError`` for configs gas_lab refuses to parse (DeepSpeed is more
     lenient: it ignores unknown keys and takes ``"no"`` for true).
@@ -46,15 +38,10 @@ def predict(
     inside = False  # inside no_sync() or coalesce_grad_reduction(): both suspend the reduction
     idle, micro, override = True, 0, None  # no backward() since the last update; micro-steps
     for op in ("initialize", *ops):
-        action = OP_ACTIONS.get(op, op)
-        update = op == "step" and (
-            not cfg.managed_gradient_accumulation
-            or (
-                override
-                if override is not None
-                else (micro + 1) % (cfg.gradient_accumulation_steps or 1) == 0
-            )
-        )
+        action = situation_action(op)
+        gas = cfg.gradient_accumulation_steps or 1
+        boundary = override if override is not None else is_boundary(micro, gas)
+        update = op == "step" and (not cfg.managed_gradient_accumulation or boundary)
         rule = first_violation(Situation(cfg, action, inside, pipeline, idle and update), ALL_RULES)
         if rule is not None:
             return rule, op

@@ -6,10 +6,16 @@ every ``step()`` is one, and no ``backward()`` is. Any feature that does boundar
 wait for a boundary that never comes there, so DeepSpeed refuses it. Each :class:`Rule` holds
 the condition, why it is refused, the silent failure it prevents, the moment it fires
 (``initialize``, ``call`` or ``context``: entering a with-block) and what DeepSpeed 0.19.8
-raises, measured by ``tools/measure_matrix.py`` into ``data/deepspeed_0.19.8_matrix.json``.
+raises, measured by ``python -m gas_lab.rules.matrix`` into ``data/deepspeed_0.19.8_matrix.json``.
+A rule is checked at one engine call, its ``action`` (named in :mod:`gas_lab.rules.calls`).
+Where two rules apply at the same call, the one DeepSpeed checks first fires: its ``order``,
+by which :data:`ALL_RULES` is sorted. At ``initialize`` the hundreds say where DeepSpeed checks:
+1xx while its config is parsed (``DeepSpeedConfig``), 2xx in its engine's sanity checks, 3xx
+while it builds the optimizer and then checks it; in a method, its own checks in source order,
+then what fails deeper inside it. The measured matrix holds every case where two apply.
 
 * :data:`RULES`: the refusals gas_lab enforces itself, at the same moment as DeepSpeed
-  (``config.py`` and ``engine.py`` call :func:`enforce`).
+  (the config and the engine of :mod:`gas_lab.deepspeed_compat` call :func:`enforce`).
 * :data:`DEEPSPEED_ONLY`: refusals DeepSpeed makes where gas_lab stops earlier (ZeRO-3, fp16
   are out of scope); kept for the table and for ``gas_lab.rules.prediction.predict``.
 * :data:`OUT_OF_SCOPE`: what DeepSpeed accepts but gas_lab does not teach: those raise
@@ -30,14 +36,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gas_lab.errors import NotImplementedInGasLab, RejectedCombination
+from gas_lab.rules.calls import ACTIONS
 
 
 @dataclass(frozen=True)
 class Situation:
     """What a rule looks at: the validated config and what the caller is doing right now."""
 
-    config: Any  # a gas_lab.config.GasConfig (duck-typed so this module imports nothing)
-    action: str = "initialize"  # or an engine call: "step", "no_sync", "tensor.backward", ...
+    config: Any  # a gas_lab.deepspeed_compat.config.GasConfig (duck-typed: rules sit below it)
+    action: str | None = "initialize"  # the engine call (gas_lab.rules.calls); None: unchecked
     inside_no_sync: bool = False
     pipeline: bool = False  # the model is a DeepSpeed PipelineModule
     idle: bool = False  # a step() that would update, with no backward() since the last update
@@ -45,10 +52,11 @@ class Situation:
 
 @dataclass(frozen=True)
 class Example:
-    """How to trigger a rule: config overrides (merged into a working config) and an action."""
+    """How to trigger a rule: config overrides (merged into a working config) and the ops of
+    :mod:`gas_lab.rules.calls` to run after ``initialize`` (none: initialize alone)."""
 
     config: dict = field(default_factory=dict)
-    action: str = "initialize"  # or an op of parity._trigger: set_boundary, coalesce, ...
+    ops: tuple[str, ...] = ()
     pipeline: bool = False
 
 
@@ -60,7 +68,7 @@ class Rule:
     """One refusal: when it is checked, why, what it prevents, and what DeepSpeed raises."""
 
     name: str
-    action: str  # what triggers the check: "initialize" or an engine call (Situation.action)
+    action: str  # the engine call it is checked at (gas_lab.rules.calls.ACTIONS)
     moment: str  # measured: "initialize", "call" (a method) or "context" (entering a with-block)
     keys: tuple[str, ...]  # the config keys or API calls involved, for the message
     condition: str  # one line, for tables
@@ -71,6 +79,29 @@ class Rule:
     example: Example
     applies: Callable[[Situation], bool] = field(repr=False, compare=False, default=None)
     gas_lab: str = SAME  # what gas_lab does about it, when not the same rejection
+    # Where two rules apply at the same call, the lower fires: DeepSpeed checks it first.
+    order: int = 1000
+
+    def __post_init__(self):
+        if self.action not in ACTIONS:
+            raise ValueError(f"Rule {self.name!r}: action {self.action!r} is none of {ACTIONS}")
+
+    def __reduce__(self):
+        # Ranks send refusals back pickled, and ``applies`` is often a lambda, which does not
+        # pickle: a rule of ALL_RULES travels by name, any other without its condition.
+        if next((r for r in ALL_RULES if r.name == self.name), None) == self:
+            return rule_named, (self.name,)
+        fields = {k: v for k, v in vars(self).items() if k != "applies"}
+        return _rule_from_fields, (fields,)
+
+
+def rule_named(name: str) -> Rule:
+    """The rule of :data:`ALL_RULES` called ``name``."""
+    return next(r for r in ALL_RULES if r.name == name)
+
+
+def _rule_from_fields(fields: dict) -> Rule:
+    return Rule(**fields)
 
 
 def _unmanaged(s: Situation) -> bool:
@@ -92,8 +123,8 @@ def _fp32_throughout(s: Situation) -> bool:
 UNMANAGED = {"managed_gradient_accumulation": False}
 _MGA = "managed_gradient_accumulation=false"
 
-# Config parsing first: where two apply, the measured matrix shows amp and fp16 win.
-ALL_RULES: list[Rule] = [
+# Each rule's order: see the module docstring (ALL_RULES, below, is sorted by it).
+_WRITTEN: list[Rule] = [
     Rule(
         "apex_amp", "initialize", "initialize", ("amp",),
         'an "amp" block, even {"enabled": false}, managed or not',
@@ -105,6 +136,7 @@ ALL_RULES: list[Rule] = [
         "DeepSpeedConfigError", "NVIDIA Apex AMP integration has been removed.",
         Example(config={**UNMANAGED, "amp": {"enabled": True}}),
         lambda s: s.config.amp is not None,
+        order=110,
     ),
     Rule(
         "fp16_on_cpu", "initialize", "initialize", ("fp16.enabled",),
@@ -116,6 +148,7 @@ ALL_RULES: list[Rule] = [
         Example(config={"fp16": {"enabled": True}}),
         lambda s: s.config.fp16.enabled,
         gas_lab="out of scope at initialize (gas_lab has bf16, not fp16)",
+        order=210,
     ),
     Rule(
         "max_grad_norm_param", "initialize", "initialize", ("optimizer.params.max_grad_norm",),
@@ -127,6 +160,7 @@ ALL_RULES: list[Rule] = [
         Example(config={"optimizer": {"type": "SGD", "params": {"lr": 0.1, "max_grad_norm": 1.0}}}),
         lambda s: s.config.optimizer is not None
         and s.config.optimizer.params.get("max_grad_norm") is not None,
+        order=310,
     ),
     Rule(
         "untested_zero_optimizer", "initialize", "initialize",
@@ -139,6 +173,7 @@ ALL_RULES: list[Rule] = [
         Example(config={"zero_optimization": {"stage": 1}, "optimizer": {"type": "SGD", "params": {}}}),
         lambda s: _stage(s) >= 1 and s.config.optimizer is not None
         and s.config.optimizer.type == "SGD" and not s.config.zero_allow_untested_optimizer,
+        order=320,
     ),
     Rule(
         "unmanaged_overlap_comm", "initialize", "initialize",
@@ -154,6 +189,7 @@ ALL_RULES: list[Rule] = [
         "with ZeRO stage 2",
         Example(config={**UNMANAGED, "zero_optimization": {"overlap_comm": True}}),
         lambda s: _unmanaged(s) and _stage(s) < 2 and s.config.zero_optimization.overlap,
+        order=220,
     ),
     Rule(
         "unmanaged_pipeline", "initialize", "initialize", (_MGA, "PipelineModule"),
@@ -167,6 +203,7 @@ ALL_RULES: list[Rule] = [
         "parallelism",
         Example(config=UNMANAGED, pipeline=True),
         lambda s: _unmanaged(s) and s.pipeline,
+        order=230,
     ),
     Rule(
         "unmanaged_deepcompile", "initialize", "initialize", (_MGA, "compile.deepcompile"),
@@ -181,8 +218,9 @@ ALL_RULES: list[Rule] = [
         "AssertionError", "managed_gradient_accumulation=False is not supported with DeepCompile",
         Example(config={**UNMANAGED, "compile": {"deepcompile": True}}),
         lambda s: _unmanaged(s) and s.config.compile.deepcompile,
+        order=240,
     ),
-    # -- lesson 08: sum or mean, and the accumulation dtype (gas_lab/precision.py) -----------
+    # -- lesson 08: sum or mean, and the accumulation dtype (gas_lab/deepspeed_compat/precision.py) -----------
     Rule(
         "sum_stage3", "initialize", "initialize",
         ("gradient_allreduce_op=sum", "zero_optimization.stage=3"),
@@ -193,6 +231,7 @@ ALL_RULES: list[Rule] = [
         "ValueError", "gradient_allreduce_op='sum' is not supported with ZeRO stage 3",
         Example(config={"gradient_allreduce_op": "sum", "zero_optimization": {"stage": 3}}),
         lambda s: s.config.gradient_allreduce_op == "sum" and _stage(s) == 3,
+        order=120,
     ),
     Rule(
         "sum_deepcompile", "initialize", "initialize",
@@ -203,6 +242,7 @@ ALL_RULES: list[Rule] = [
         "ValueError", "gradient_allreduce_op='sum' is not supported with DeepCompile",
         Example(config={"gradient_allreduce_op": "sum", "compile": {"deepcompile": True}}),
         lambda s: s.config.gradient_allreduce_op == "sum" and s.config.compile.deepcompile,
+        order=130,
     ),
     Rule(
         "grad_accum_dtype_stage0", "initialize", "initialize",
@@ -217,6 +257,7 @@ ALL_RULES: list[Rule] = [
         Example(config={"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}}),
         lambda s: _stage(s) == 0 and not s.config.fp16.enabled
         and s.config.model_dtype != s.config.grad_accum_dtype,
+        order=330,
     ),
     Rule(
         "unmanaged_set_boundary", "set_gradient_accumulation_boundary", "call",
@@ -228,8 +269,9 @@ ALL_RULES: list[Rule] = [
         "reductions instead of 1.",
         "AssertionError", "set_gradient_accumulation_boundary() is not supported with "
         "managed_gradient_accumulation=False",
-        Example(config=UNMANAGED, action="set_boundary"),
+        Example(config=UNMANAGED, ops=("set_boundary_true",)),
         _unmanaged,
+        order=10,
     ),
     Rule(
         "unmanaged_coalesce", "coalesce_grad_reduction", "context",
@@ -240,8 +282,9 @@ ALL_RULES: list[Rule] = [
         "the flush at the end of the block and step() would both reduce the same gradients.",
         "AssertionError", "coalesce_grad_reduction is not supported with "
         "managed_gradient_accumulation=False",
-        Example(config=UNMANAGED, action="coalesce"),
+        Example(config=UNMANAGED, ops=("enter_coalesce", "exit_coalesce")),
         _unmanaged,
+        order=10,
     ),
     Rule(
         "coalesce_stage0", "coalesce_grad_reduction", "context",
@@ -251,8 +294,9 @@ ALL_RULES: list[Rule] = [
         "all but the last backward() instead.",
         "nothing silent: the feature does not exist at stage 0.",
         "NotImplementedError", "coalesce_grad_reduction requires ZeRO stage 1/2/3, got stage 0",
-        Example(action="coalesce"),
+        Example(ops=("enter_coalesce", "exit_coalesce")),
         lambda s: _stage(s) == 0,
+        order=20,
     ),
     Rule(
         "coalesce_nested", "coalesce_grad_reduction", "context",
@@ -264,8 +308,9 @@ ALL_RULES: list[Rule] = [
         "reduce the same gradients again.",
         "AssertionError", "coalesce_grad_reduction cannot be nested inside another no_sync "
         "context",
-        Example(config={"zero_optimization": {"stage": 1}}, action="coalesce_in_no_sync"),
+        Example(config={"zero_optimization": {"stage": 1}}, ops=("enter_no_sync", "enter_coalesce")),
         lambda s: s.inside_no_sync,
+        order=30,
     ),
     Rule(
         "no_sync_stage23", "no_sync", "context", ("zero_optimization.stage>=2", "no_sync()"),
@@ -274,8 +319,9 @@ ALL_RULES: list[Rule] = [
         "full local gradient to keep aside.",
         "nothing silent: no_sync() cannot be honoured.",
         "AssertionError", "no_sync context manager is incompatible with gradient partitioning",
-        Example(config={"zero_optimization": {"stage": 2}}, action="no_sync_twice"),
+        Example(config={"zero_optimization": {"stage": 2}}, ops=("enter_no_sync", "enter_no_sync")),
         lambda s: _stage(s) >= 2,
+        order=10,
     ),
     Rule(
         "no_sync_twice", "no_sync", "context", ("no_sync()", "no_sync()"),
@@ -284,8 +330,9 @@ ALL_RULES: list[Rule] = [
         "expects it off.",
         "the next backward() inside the outer block would reduce (or the boundary would not).",
         "AssertionError", "no_sync context manager reentry is unsupported",
-        Example(action="no_sync_twice"),
+        Example(ops=("enter_no_sync", "enter_no_sync")),
         lambda s: s.inside_no_sync,
+        order=20,
     ),
     Rule(
         "step_in_no_sync", "step", "call", ("no_sync()", "step()"),
@@ -294,11 +341,12 @@ ALL_RULES: list[Rule] = [
         "gradients.",
         "each rank would apply its own, un-averaged update: the replicas drift apart.",
         "AssertionError", "It is illegal to call Engine.step() inside no_sync context manager",
-        Example(action="step_in_no_sync"),
+        Example(ops=("enter_no_sync", "backward", "step")),
         lambda s: s.inside_no_sync,
+        order=10,
     ),
     Rule(
-        "tensor_backward_stage0", "tensor.backward", "call",
+        "tensor_backward_stage0", "loss.backward", "call",
         ("zero_optimization.stage=0", "loss.backward()"),
         "loss.backward() instead of engine.backward(loss) at ZeRO stage 0",
         "A hook on the model's output sees every backward pass start and divides by GAS, but "
@@ -308,8 +356,9 @@ ALL_RULES: list[Rule] = [
         "managed, the boundary all-reduce would never run: every rank would update from its "
         "own gradient and the replicas would drift apart.",
         "RuntimeError", "Direct calls to tensor.backward() are not supported",
-        Example(action="tensor_backward"),
+        Example(ops=("tensor_backward",)),
         lambda s: _stage(s) == 0,
+        order=10,
     ),
     # -- lesson 07: a rank with nothing to train on (data/deepspeed_0.19.8_idle_rank.json) ----
     Rule(
@@ -323,8 +372,9 @@ ALL_RULES: list[Rule] = [
         "a loop that trains here (zeros for the idle rank) and crashes on DeepSpeed the first "
         "time a rank gets no data.",
         "IndexError", "list index out of range",
-        Example(config={**UNMANAGED, "zero_optimization": {"stage": 1}}, action="idle_step"),
+        Example(config={**UNMANAGED, "zero_optimization": {"stage": 1}}, ops=("step",)),
         lambda s: _unmanaged(s) and _stage(s) == 1 and s.idle,
+        order=20,
     ),
     Rule(
         "idle_window_stage1", "step", "call", ("zero_optimization.stage=1", "step()"),
@@ -339,8 +389,9 @@ ALL_RULES: list[Rule] = [
         "weights); with one rank idle, mismatched collectives.",
         "TypeError", "'NoneType' object is not iterable",
         Example(config={"zero_optimization": {"stage": 1}, "gradient_accumulation_steps": 1},
-                action="idle_window"),
+                ops=("backward", "step", "step")),
         lambda s: not _unmanaged(s) and _stage(s) == 1 and s.idle,
+        order=20,
     ),
     Rule(
         "idle_rank_stage2", "step", "call", (_MGA, "zero_optimization.stage=2", "step()"),
@@ -352,8 +403,9 @@ ALL_RULES: list[Rule] = [
         "a loop that trains here and crashes on DeepSpeed the first time a rank gets no data.",
         "TypeError", "'NoneType' object is not subscriptable",
         # A step with data first: in the very first window DeepSpeed raises KeyError instead.
-        Example(config={**UNMANAGED, "zero_optimization": {"stage": 2}}, action="idle_window"),
+        Example(config={**UNMANAGED, "zero_optimization": {"stage": 2}}, ops=("backward", "step", "step")),
         lambda s: _unmanaged(s) and _stage(s) == 2 and s.idle,
+        order=20,
     ),
     Rule(
         "idle_window_stage2", "step", "call", ("zero_optimization.stage=2", "step()"),
@@ -366,8 +418,9 @@ ALL_RULES: list[Rule] = [
         "collectives.",
         "TypeError", "'NoneType' object is not iterable",
         Example(config={"zero_optimization": {"stage": 2}, "gradient_accumulation_steps": 1},
-                action="idle_window"),
+                ops=("backward", "step", "step")),
         lambda s: not _unmanaged(s) and _stage(s) == 2 and s.idle,
+        order=20,
     ),
     Rule(
         "idle_window_stage0_clipping", "step", "call",
@@ -381,12 +434,15 @@ ALL_RULES: list[Rule] = [
         "collectives would not match anyway).",
         "IndexError", "list index out of range",
         Example(config={"gradient_accumulation_steps": 1, "gradient_clipping": 1.0},
-                action="idle_step"),
+                ops=("step",)),
         lambda s: not _unmanaged(s) and _stage(s) == 0 and s.config.gradient_clipping > 0
         and s.idle,
+        order=20,
     ),
 ]  # fmt: skip
 
+# Grouped by the call they are checked at, then in the order DeepSpeed checks them.
+ALL_RULES: list[Rule] = sorted(_WRITTEN, key=lambda r: (ACTIONS.index(r.action), r.order))
 RULES: list[Rule] = [r for r in ALL_RULES if r.gas_lab == SAME]
 DEEPSPEED_ONLY: list[Rule] = [r for r in ALL_RULES if r.gas_lab != SAME]
 

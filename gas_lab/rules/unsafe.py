@@ -34,11 +34,11 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
-from gas_lab import engine as gas_engine
-from gas_lab.config import load_config
+from gas_lab.deepspeed_compat.config import load_config
+from gas_lab.deepspeed_compat.engine import DeepSpeedEngine
+from gas_lab.deepspeed_compat.strategies import strategy_for
 from gas_lab.dp import default_group
 from gas_lab.rules import refusals
-from gas_lab.update import strategy_for
 
 BANNER = "UNSAFE TEACHING MODE: rules skipped: {}. Never train with this engine."
 # Skipping a rule about a feature gas_lab leaves out also lets that feature past scope checks.
@@ -53,9 +53,12 @@ class GatedReduction:
         self.optimizer = inner.optimizer
         self.done = self.skipped = 0  # reductions run / reductions a feature swallowed
 
+    def after_backward(self) -> None:
+        self.inner.after_backward()
+
     def reduce_gradients(self) -> None:
         e = self.engine
-        if e._inside_step:  # unmanaged step(): DeepSpeed reduces only at a boundary, outside
+        if e.inside_step:  # unmanaged step(): DeepSpeed reduces only at a boundary, outside
             # no_sync(), and not at all when a feature owns the reduction inside backward()
             wanted = e.is_gradient_accumulation_boundary() and not e.inside_no_sync_ctxt
             if not wanted or e.reduces_in_backward_only:
@@ -68,11 +71,12 @@ class GatedReduction:
         return self.inner.update()
 
 
-class UnsafeEngine(gas_engine.Engine):
-    """gas_lab's engine with ``skipped`` rules off and the skipped features' backward() work."""
+class UnsafeEngine(DeepSpeedEngine):
+    """gas_lab's engine with ``skipped`` rules off (through its one :meth:`check`) and the
+    skipped features' backward() work."""
 
-    def __init__(self, module, optimizer, config, group, strategy_cls, skipped, loss_scale):
-        super().__init__(module, optimizer, config, group, strategy_cls)
+    def __init__(self, module, optimizer, config, group, strategy, skipped, loss_scale):
+        super().__init__(module, optimizer, config, group, strategy)
         self.skipped = frozenset(skipped)
         zero = config.zero_optimization
         # At stage 0 DeepSpeed ignores overlap_comm (there is no ZeRO optimizer to overlap).
@@ -82,19 +86,22 @@ class UnsafeEngine(gas_engine.Engine):
         self.deepcompile_zero1 = config.compile.deepcompile and zero.stage == 1
         self._averaged_by_backward = False
         self.loss_scale = loss_scale if config.amp is not None else None
-        self._update = GatedReduction(self._update, self)
+        self.strategy = GatedReduction(self.strategy, self)
 
     @property
     def reductions(self) -> dict[str, int]:
-        return {"done": self._update.done, "skipped": self._update.skipped}
+        return {"done": self.strategy.done, "skipped": self.strategy.skipped}
+
+    def check(self, op: str) -> None:
+        with refusals.skipping(self.skipped):
+            super().check(op)
 
     def backward(self, loss, retain_graph=False, scale_wrt_gas=True):
         boundary = self.is_gradient_accumulation_boundary() and not self.inside_no_sync_ctxt
         self._averaged_by_backward = self.is_gradient_accumulation_boundary()
         if self.loss_scale is not None:
             loss = loss * self.loss_scale  # Apex: scale up so small fp16 gradients survive
-        with refusals.skipping(self.skipped):
-            out = super().backward(loss, retain_graph=retain_graph, scale_wrt_gas=scale_wrt_gas)
+        out = super().backward(loss, retain_graph=retain_graph, scale_wrt_gas=scale_wrt_gas)
         if self.loss_scale is not None:
             if boundary:  # Apex unscales only when it is told this backward() ends the step
                 for p in self.module.parameters():
@@ -103,36 +110,16 @@ class UnsafeEngine(gas_engine.Engine):
             out = out / self.loss_scale
         return out
 
-    def _on_output_grad(self, grad):
-        with refusals.skipping(self.skipped):
-            return super()._on_output_grad(grad)
-
-    def _after_direct_backward(self):
-        if self._config.zero_optimization.stage == 0:  # DeepSpeed: no hook sees the end
-            self._direct_backward_seen = False
+    def direct_backward_ended(self) -> None:
+        if self.zero_optimization_stage() == 0:  # DeepSpeed: no hook sees the end
             return
-        super()._after_direct_backward()
+        super().direct_backward_ended()
 
     def step(self, lr_kwargs=None):
         if self.deepcompile_zero1 and not self.managed_gradient_accumulation():
             if not self._averaged_by_backward:  # DeepSpeed's ZeRO-1 step() reads
                 raise KeyError(0)  # averaged_gradients[0], which no backward() set
-        with refusals.skipping(self.skipped):
-            return super().step(lr_kwargs)
-
-    def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
-        with refusals.skipping(self.skipped):
-            super().set_gradient_accumulation_boundary(is_boundary)
-
-    @contextlib.contextmanager
-    def no_sync(self):
-        with refusals.skipping(self.skipped):
-            block = super().no_sync()
-            block.__enter__()
-        try:
-            yield
-        finally:
-            block.__exit__(None, None, None)
+        return super().step(lr_kwargs)
 
 
 def initialize(

@@ -25,7 +25,7 @@ from gas_lab.accumulate import (
 )
 from gas_lab.lessons.exercises.verdict import Verdict, check_cases
 from gas_lab.lessons.exercises.verdict import hint as hint  # lessonNN.hint()
-from gas_lab.lessons.toys import (
+from gas_lab.toys import (
     TinySeqModel,
     flat_params,
     regression_batch,

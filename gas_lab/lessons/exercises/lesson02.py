@@ -21,8 +21,8 @@ from gas_lab.dp import all_reduce_mean
 from gas_lab.lessons.exercises.on_ranks import run_on_ranks
 from gas_lab.lessons.exercises.verdict import Verdict, check_cases
 from gas_lab.lessons.exercises.verdict import hint as hint  # lessonNN.hint()
-from gas_lab.lessons.toys import flat_params, micro_batch, tiny_model
 from gas_lab.measure.parity import reference_params
+from gas_lab.toys import flat_params, micro_batch, tiny_model
 
 TOL = 1e-6  # float32 noise on these tiny models is ~1e-8
 

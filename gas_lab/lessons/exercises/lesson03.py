@@ -16,12 +16,12 @@ from dataclasses import dataclass
 
 import torch
 
-from gas_lab.engine import initialize
+from gas_lab.deepspeed_compat.engine import initialize
 from gas_lab.lessons.exercises.on_ranks import measured_once
 from gas_lab.lessons.exercises.verdict import Verdict, answer_for, check_cases
 from gas_lab.lessons.exercises.verdict import hint as hint  # lessonNN.hint()
-from gas_lab.lessons.toys import flat_params, micro_batch, tiny_model
 from gas_lab.measure.parity import reference_params
+from gas_lab.toys import flat_params, micro_batch, tiny_model
 
 TOL = 1e-6
 LR = 0.1

@@ -23,9 +23,9 @@ from gas_lab.dp import global_count
 from gas_lab.lessons.exercises.on_ranks import run_on_ranks
 from gas_lab.lessons.exercises.verdict import Verdict, check_cases
 from gas_lab.lessons.exercises.verdict import hint as hint  # lessonNN.hint()
-from gas_lab.lessons.toys import flat_params, micro_batch, tiny_model
 from gas_lab.measure.parity import reference_params
 from gas_lab.runtime.rank_errors import RankError, RankStallError
+from gas_lab.toys import flat_params, micro_batch, tiny_model
 
 TOL = 1e-6
 LR = 0.1

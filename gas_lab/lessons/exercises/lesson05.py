@@ -22,7 +22,7 @@ import torch.distributed as dist
 from gas_lab.lessons.exercises.on_ranks import measured_once, run_on_ranks
 from gas_lab.lessons.exercises.verdict import Verdict, answer_for, check_cases
 from gas_lab.lessons.exercises.verdict import hint as hint  # lessonNN.hint()
-from gas_lab.lessons.toys import micro_batch, tiny_model
+from gas_lab.toys import micro_batch, tiny_model
 from gas_lab.zero1 import Layout
 
 TOL = 1e-5  # float32 noise on vectors of ~60 numbers is ~1e-7
@@ -178,10 +178,10 @@ def _measure_traffic(t: Traffic) -> dict[str, tuple[int, int]]:
     """On a rank: run ``t`` and count its collectives: {kind: (calls, bytes)}."""
     import functools
 
-    from gas_lab.engine import initialize
+    from gas_lab.deepspeed_compat.engine import initialize
+    from gas_lab.deepspeed_compat.strategies import strategy_for
     from gas_lab.measure.comm import count_collectives
     from gas_lab.measure.parity import deepspeed_initialize
-    from gas_lab.update import strategy_for
 
     if t.library == "gas_lab":
         init = functools.partial(initialize, strategy=strategy_for(1, reduce="reduce_scatter"))

@@ -18,38 +18,16 @@ import contextlib
 import io
 from collections.abc import Callable
 
-from gas_lab.config import ConfigError, parse
+from gas_lab.deepspeed_compat.config import ConfigError, parse
 from gas_lab.lessons.exercises.on_ranks import measured_once
 from gas_lab.lessons.exercises.verdict import Verdict, answer_for, check_cases
 from gas_lab.lessons.exercises.verdict import hint as hint  # lessonNN.hint()
 from gas_lab.rules import matrix, prediction
+from gas_lab.rules.calls import ACTIONS, call_of, situation_action
 from gas_lab.rules.refusals import Rule, Situation, first_violation
 
-#: What an engine call is called in an answer (matrix op -> the call that raises).
-CALLS = {
-    "initialize": "initialize",
-    "set_boundary_true": "set_gradient_accumulation_boundary",
-    "set_boundary_false": "set_gradient_accumulation_boundary",
-    "enter_no_sync": "no_sync",
-    "enter_coalesce": "coalesce_grad_reduction",
-    "step": "step",
-    "tensor_backward": "loss.backward",
-    "backward": "backward",
-    "train_batch": "train_batch",
-}
-ANSWERS = ("accepted", *dict.fromkeys(CALLS.values()))
-_OPS = {
-    "backward": "backward()",
-    "tensor_backward": "loss.backward()",
-    "step": "step()",
-    "set_boundary_true": "set_gradient_accumulation_boundary(True)",
-    "set_boundary_false": "set_gradient_accumulation_boundary(False)",
-    "enter_no_sync": "enter no_sync()",
-    "exit_no_sync": "leave no_sync()",
-    "enter_coalesce": "enter coalesce_grad_reduction()",
-    "exit_coalesce": "leave coalesce_grad_reduction()",
-    "train_batch": "train_batch()",
-}
+#: What a learner may answer: "accepted", or the engine call that raises (gas_lab.rules.calls).
+ANSWERS = ("accepted", *ACTIONS)
 SCENARIOS = {  # letter -> a case id of the measured matrix the lesson did not take apart
     "A": "api/stage=1/managed=True/api=step_in_no_sync",
     "B": "api/stage=2/managed=True/api=no_sync",
@@ -69,7 +47,7 @@ def _committed() -> dict[str, dict]:
 def describe(case: dict) -> str:
     """A case as a learner reads it: what differs from the matrix's base config, then the calls."""
     extra = {k: v for k, v in case["config"].items() if matrix.BASE.get(k) != v}
-    calls = ", ".join(_OPS.get(op, op) for op in case["ops"])
+    calls = ", ".join(call_of(op).label for op in case["ops"])
     pipe = " a PipelineModule model," if case["pipeline"] else ""
     return f"base + {extra};{pipe} then: {calls}"
 
@@ -90,7 +68,7 @@ def measure_live(cases: list[dict], cluster) -> list[dict]:
 def _said(got: dict) -> str:
     if got["outcome"] == "accepted":
         return "accepted"
-    return f"{got['exception']} at {CALLS[got['raised_in']]}(): {got['message'][:100]}"
+    return f"{got['exception']} at {call_of(got['raised_in']).call}(): {got['message'][:100]}"
 
 
 # ---------------------------------------------------------------- exercise 1: predict, measured
@@ -105,7 +83,7 @@ def _prediction_case(fn: Callable, letter: str, cluster):
         answer, got = result
         if answer not in ANSWERS:
             return f"answer one of {ANSWERS}, got {answer!r}."
-        truth = "accepted" if got["outcome"] == "accepted" else CALLS[got["raised_in"]]
+        truth = "accepted" if got["outcome"] == "accepted" else call_of(got["raised_in"]).call
         if answer == truth:
             return None
         rule, _ = prediction.predict(case["config"], case["ops"], case["pipeline"])
@@ -160,8 +138,9 @@ def predict_with(rule: Rule, case: dict) -> tuple[Rule | None, str | None]:
         return known, op
     config = parse(case["config"])
     for op in ("initialize", *case["ops"]):
-        action = prediction.OP_ACTIONS.get(op, op)
-        if first_violation(Situation(config, action, False, case["pipeline"]), [rule]):
+        if first_violation(
+            Situation(config, situation_action(op), False, case["pipeline"]), [rule]
+        ):
             return rule, op
     return None, None
 
@@ -176,13 +155,13 @@ def _compare(rule: Rule, case: dict, got: dict) -> str | None:
         if fired is None:
             return None
         return f"{case['id']}: DeepSpeed accepts it (measured), the rules refuse it ({fired.name})."
-    where = CALLS[got["raised_in"]]
+    where = call_of(got["raised_in"]).call
     if fired is None:
         return f"{case['id']}: DeepSpeed raises {_said(got)}; the rules accept it."
     if op != got["raised_in"] or fired.moment != got["moment"]:
         return (
             f"{case['id']}: DeepSpeed raises at {where} (moment {got['moment']!r}); "
-            f"{fired.name} fires at {CALLS.get(op, op)} (moment {fired.moment!r})."
+            f"{fired.name} fires at {call_of(op).call} (moment {fired.moment!r})."
         )
     if fired.deepspeed_raises != got["exception"]:
         return f"{case['id']}: DeepSpeed raises {got['exception']}, {fired.name} says {fired.deepspeed_raises}."

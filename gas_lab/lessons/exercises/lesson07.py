@@ -30,7 +30,7 @@ from gas_lab.lessons.exercises.on_ranks import run_on_ranks
 from gas_lab.lessons.exercises.verdict import Verdict, check_cases
 from gas_lab.lessons.exercises.verdict import hint as hint  # lessonNN.hint()
 from gas_lab.lessons.rollouts import capstone_config, reference_run, rollouts, to_device
-from gas_lab.lessons.toys import TinyTransformer, flat_params
+from gas_lab.toys import TinyTransformer, flat_params
 
 TOL = 1e-5  # max relative gradient (or absolute parameter) error accepted; float32 is ~1e-7
 

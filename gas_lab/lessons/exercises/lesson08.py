@@ -22,7 +22,7 @@ from gas_lab.accumulate import token_loss as _token_loss
 from gas_lab.lessons.exercises.verdict import Verdict, check_cases
 from gas_lab.lessons.exercises.verdict import hint as hint  # lessonNN.hint()
 from gas_lab.lessons.rollouts import rollouts
-from gas_lab.lessons.toys import TinyTransformer, flat_params, micro_batch, tiny_model
+from gas_lab.toys import TinyTransformer, flat_params, micro_batch, tiny_model
 
 TOL = 1e-5
 
@@ -109,7 +109,7 @@ def _train(engine, stream, sizes, start=0, stop=None):
 
 def _resume_case(fn: Callable, sizes: list[int], save_after: int) -> Callable[[], tuple]:
     def run():
-        from gas_lab.engine import initialize
+        from gas_lab.deepspeed_compat.engine import initialize
 
         stream = [micro_batch(0, 0, i, 0, 2) for i in range(sum(sizes))]
         reference, *_ = initialize(model=tiny_model(0), config=CONFIG)
@@ -184,7 +184,7 @@ def token_clock_lr(tokens_so_far: float, nominal: float) -> float:
 
 def _clock_case(fn: Callable, tokens: list[int], nominal: int) -> Callable[[], tuple]:
     def run():
-        from gas_lab.engine import initialize
+        from gas_lab.deepspeed_compat.engine import initialize
 
         engine, *_ = initialize(model=tiny_model(0), config={**CONFIG, "scheduler": SCHEDULE})
         got, seen = [], 0

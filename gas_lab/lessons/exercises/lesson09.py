@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from gas_lab.lessons.exercises.on_ranks import measured_once, run_on_ranks
 from gas_lab.lessons.exercises.verdict import Verdict, answer_for, check_cases
 from gas_lab.lessons.exercises.verdict import hint as hint  # lessonNN.hint()
-from gas_lab.lessons.toys import tiny_model
 from gas_lab.measure.memory import project_census
+from gas_lab.toys import tiny_model
 from gas_lab.zero1 import Layout
 
 
@@ -147,11 +147,11 @@ SUM_CASES = {
 def _train_with_weight(case: str, weight: Callable) -> tuple:
     """On a rank: gas_lab's ZeRO-2 with the sum reduction and ``weight``; its parameters and
     those of the single-process reference (the mean over every real micro-batch)."""
-    from gas_lab.engine import initialize
+    from gas_lab.deepspeed_compat.engine import initialize
     from gas_lab.lessons.loops import equal_n_train
-    from gas_lab.lessons.toys import flat_params
     from gas_lab.measure.parity import reference_params
     from gas_lab.measure.stages import config
+    from gas_lab.toys import flat_params
 
     micro_batches = SUM_CASES[case]
     # SGD: Adam would hide a gradient W times too large (its update barely depends on scale)

@@ -89,7 +89,7 @@ def save(engine, strategy, save_dir, tag=None, client_state=None, save_latest=Tr
             os.path.join(folder, MODEL_FILE),
         )
     if stage >= 1 or rank == 0:  # ZeRO-1: every rank its shard; stage 0: one full copy
-        torch.save(strategy.state_dict(), os.path.join(folder, optimizer_file(stage, rank)))
+        torch.save(strategy_state(strategy), os.path.join(folder, optimizer_file(stage, rank)))
     if rank == 0 and save_latest:
         with open(os.path.join(save_dir, "latest"), "w") as f:
             f.write(tag)
@@ -127,10 +127,10 @@ def load(engine, strategy, load_dir, tag=None, load_module_strict=True,
     rank, _ = _rank_and_world(engine.group)
     if load_module_only or not load_optimizer_states:
         # The master weights come from the weights just loaded (rounded when bf16).
-        strategy.load_state_dict(None, load_optimizer_states=False)
+        load_strategy_state(strategy, None, load_optimizer_states=False)
     else:
         optim = os.path.join(folder, optimizer_file(stage, rank))
-        strategy.load_state_dict(torch.load(optim, map_location="cpu", weights_only=False))
+        load_strategy_state(strategy, torch.load(optim, map_location="cpu", weights_only=False))
     if load_module_only:
         return path, state["client_state"]
     if load_lr_scheduler_states and engine.lr_scheduler is not None:
@@ -142,3 +142,48 @@ def load(engine, strategy, load_dir, tag=None, load_module_strict=True,
     # micro_steps and the unmanaged backward() count stay as they are: DeepSpeed does not
     # save them (a fresh engine has 0), nor any accumulated gradient.
     return path, state["client_state"]
+
+
+# -- what a strategy saves: the optimizer state and fp32 masters (ZeRO: this rank's shard) ------
+def strategy_state(strategy) -> dict:
+    """This rank's optimizer state, fp32 master weights included. At ZeRO stages 1 and 2 a
+    rank's shard, with the layout it was cut with (a later load checks it): DeepSpeed writes
+    the same two things into one ``zero_pp_rank_<r>`` file per rank."""
+    groups = getattr(strategy, "groups", None)
+    if groups is None:  # stage 0: everything, on every rank
+        return {"optimizer": strategy.optimizer.state_dict(),
+                "masters": getattr(strategy, "masters", None)}  # fmt: skip
+    return {
+        "optimizer": strategy.optimizer.state_dict(),
+        "masters": [g.master.detach().clone() for g in groups],
+        "layouts": [(g.layout.numels, g.layout.world_size) for g in groups],
+    }
+
+
+def load_strategy_state(strategy, state: dict | None, load_optimizer_states: bool = True) -> None:
+    """Restore :func:`strategy_state`, after the module's weights were loaded. Without the
+    optimizer state, the fp32 masters are rebuilt from the loaded weights (rounded when bf16),
+    as DeepSpeed does; a shard cut for another layout is refused."""
+    if load_optimizer_states:
+        if (layouts := _layouts(strategy)) and [
+            (tuple(n), w) for n, w in state["layouts"]
+        ] != layouts:
+            raise ValueError(
+                f"this ZeRO checkpoint was cut for another world size or model "
+                f"(saved {state['layouts']}, now {layouts}); gas_lab loads it only unchanged"
+            )
+        strategy.optimizer.load_state_dict(state["optimizer"])
+    groups = getattr(strategy, "groups", None)
+    with torch.no_grad():
+        if groups is not None:
+            saved = state["masters"] if load_optimizer_states else [None] * len(groups)
+            for g, master in zip(groups, saved, strict=True):
+                g.master.copy_(master if master is not None else g.flat[g.start : g.end])
+        elif getattr(strategy, "masters", None) is not None:
+            saved = state["masters"] if load_optimizer_states else strategy.params
+            for master, value in zip(strategy.masters, saved, strict=True):
+                master.copy_(value)
+
+
+def _layouts(strategy) -> list:
+    return [(tuple(g.layout.numels), g.layout.world_size) for g in getattr(strategy, "groups", [])]

@@ -26,7 +26,7 @@ on, fp32                  NotImplementedError          ``BF16_Optimizer``: every
 
 fp16 is refused on this CPU (``ValueError: Type fp16 is not supported on your device.``) and is
 out of gas_lab's scope everywhere. :func:`route` returns the :class:`Precision` of a config;
-``gas_lab.update`` and ``gas_lab.zero1`` follow it. A non-finite gradient norm *skips* the
+``gas_lab.deepspeed_compat.strategies`` hands it to the strategies, which follow it. A non-finite gradient norm *skips* the
 update (``skipped_steps``) except at stage 0 in fp32, where DeepSpeed has no check and an inf
 loss turns the weights into NaN. Taught in lesson 08 (``tutorials/08_edges.ipynb``).
 """
@@ -120,6 +120,12 @@ class Precision:
     def separate_buffer(self) -> bool:
         """Micro-batch gradients add up outside ``.grad``, in another dtype (BF16_Optimizer)."""
         return self.accumulate != self.model
+
+    def grad_buffers(self, params) -> GradBuffers | None:
+        """Where micro-batch gradients add up when not in ``.grad`` (:attr:`separate_buffer`)."""
+        if not self.separate_buffer:
+            return None
+        return GradBuffers(params, self.accumulate, self.immediate_grad_update)
 
     def describe(self) -> str:
         name = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}

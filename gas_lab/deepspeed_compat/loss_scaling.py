@@ -30,7 +30,7 @@ With gradient accumulation the scale is a property of the *step*, not of the mic
   DeepSpeed calls :meth:`update` first, then :meth:`unscale_`.
 
 The training loop that uses it, counting steps like DeepSpeed's engine, is
-:class:`gas_lab.lessons.fp16.Fp16Loop`.
+:class:`gas_lab.deepspeed_compat.fp16.Fp16Loop`.
 
 Taught in lesson 07 (``tutorials/07_capstone.ipynb``, section "fp16 loss scaling with
 accumulation").

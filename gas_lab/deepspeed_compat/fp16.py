@@ -26,7 +26,7 @@ At ZeRO stage 0 DeepSpeed 0.19.8 does two more things, reproduced while
   (``unfused_optimizer.py:412-425``, ``fused_optimizer.py:125-130``), so Adam's bias correction
   counts one step more than a fresh Adam's.
 
-The loss scaler itself is :mod:`gas_lab.loss_scaling`; the whole topic is taught in lesson 07.
+The loss scaler itself is :mod:`gas_lab.deepspeed_compat.loss_scaling`; the whole topic is taught in lesson 07.
 """
 
 from __future__ import annotations
@@ -34,13 +34,14 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from gas_lab.config import parse, resolve_batch
+from gas_lab.deepspeed_compat.config import parse, with_batch
+from gas_lab.deepspeed_compat.loss_scaling import for_deepspeed
 from gas_lab.dp import all_reduce_mean, clip_by_norm, default_group, replicated_grad_norm
-from gas_lab.loss_scaling import for_deepspeed
+from gas_lab.engine import is_boundary, samples_run
 
 
 class Fp16Loop:
-    """fp16 model + fp32 masters + :func:`gas_lab.loss_scaling.for_deepspeed`'s scaler.
+    """fp16 model + fp32 masters + :func:`gas_lab.deepspeed_compat.loss_scaling.for_deepspeed`'s scaler.
 
     ``config`` is a DeepSpeed config dict (batch sizes, ``optimizer``, ``fp16``,
     ``gradient_clipping``, ``managed_gradient_accumulation``, ``zero_optimization.stage``). The
@@ -52,14 +53,9 @@ class Fp16Loop:
     def __init__(self, model, config: dict, lr_scheduler=None, stage0_as_deepspeed: bool = True):
         self.group = default_group()
         world = dist.get_world_size(self.group) if self.group is not None else 1
-        cfg = parse(config)
-        batch = resolve_batch(
-            cfg.train_batch_size,
-            cfg.train_micro_batch_size_per_gpu,
-            cfg.gradient_accumulation_steps,
-            world,
-        )
-        self._train_batch, self._micro, self._gas = batch
+        cfg = with_batch(parse(config), world)  # not load_config: its rules refuse fp16
+        self._train_batch = cfg.train_batch_size
+        self._micro, self._gas = cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps
         self._managed = cfg.managed_gradient_accumulation
         self._clip = cfg.gradient_clipping
         self.module = model.half()
@@ -102,7 +98,7 @@ class Fp16Loop:
         return loss
 
     def is_gradient_accumulation_boundary(self) -> bool:
-        return not self._managed or (self.micro_steps + 1) % self._gas == 0
+        return not self._managed or is_boundary(self.micro_steps, self._gas)
 
     def step(self) -> None:
         if self.is_gradient_accumulation_boundary():
@@ -111,7 +107,8 @@ class Fp16Loop:
             if self._managed:
                 self.global_samples += self._train_batch
             else:
-                self.global_samples += self._train_batch // self._gas * self._backward_count
+                world = self._train_batch // (self._micro * self._gas)
+                self.global_samples += samples_run(self._backward_count, self._micro, world)
             self._backward_count = 0
         self.micro_steps += 1
 

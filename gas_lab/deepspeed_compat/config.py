@@ -1,11 +1,11 @@
 """A DeepSpeed-style config dict, checked and completed.
 
 gas_lab reads the same JSON-like dict as ``deepspeed.initialize(config=...)``, with the same
-defaults as DeepSpeed 0.19.8 (the optimizer's differ per path: :mod:`gas_lab.optimizers`), and
+defaults as DeepSpeed 0.19.8 (the optimizer's differ per path: :mod:`gas_lab.deepspeed_compat.optimizers`), and
 is stricter on purpose: an unknown key or a value of the wrong type is an error naming the key
 (DeepSpeed silently ignores unknown top-level keys, and ``"managed_gradient_accumulation":
 "no"`` is truthy, i.e. *managed*); a DeepSpeed key the course does not implement is refused as
-not supported (:mod:`gas_lab.deepspeed_keys`); a key gas_lab accepts is read, or says at its
+not supported (:mod:`gas_lab.deepspeed_compat.keys`); a key gas_lab accepts is read, or says at its
 field that DeepSpeed ignores it too. So a config gas_lab accepts trains to DeepSpeed's numbers.
 
 The batch invariant, as DeepSpeed states it::
@@ -26,7 +26,7 @@ from typing import Annotated, Any
 import torch
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
 
-from gas_lab import deepspeed_keys, optimizers, precision, schedules
+from gas_lab.deepspeed_compat import keys, optimizers, precision, schedules
 from gas_lab.errors import ConfigError, NotImplementedInGasLab
 from gas_lab.rules import refusals
 
@@ -47,7 +47,7 @@ Elements = Annotated[int, BeforeValidator(_whole_number), Field(lt=2**63)]
 
 
 class OptimizerConfig(_Section):
-    """``{"type": ..., "params": {...}}``, checked per DeepSpeed path (:mod:`gas_lab.optimizers`)."""
+    """``{"type": ..., "params": {...}}``, checked per DeepSpeed path (:mod:`gas_lab.deepspeed_compat.optimizers`)."""
 
     type: str
     params: dict[str, Any] = Field(default_factory=dict)
@@ -67,7 +67,7 @@ class ZeroConfig(_Section):
 
     stage: int = Field(0, ge=0, le=3)
     # Stage 1's gradient reduction follows the next five exactly as DeepSpeed's does
-    # (gas_lab/buckets.py). Stage 0 ignores them, as DeepSpeed does (fixed 5e8 buckets).
+    # (gas_lab/deepspeed_compat/buckets.py). Stage 0 ignores them, as DeepSpeed does (fixed 5e8 buckets).
     reduce_bucket_size: Elements = Field(500_000_000, gt=0)  # elements per collective
     reduce_scatter: bool = True  # false: one all_reduce per bucket, predivide/prescale apply
     use_multi_rank_bucket_allreduce: bool = True  # false: a reduce to each owning rank
@@ -83,8 +83,8 @@ class ZeroConfig(_Section):
     # Stage 1: the order of each group's parameters in the flat vector (which rank owns what),
     # as DeepSpeed lays them out; the numbers are the same either way.
     round_robin_gradients: bool = False
-    offload_optimizer: deepspeed_keys.OffloadOptimizerSection | None = None  # device: refused
-    offload_param: deepspeed_keys.OffloadParamSection | None = None  # device: refused
+    offload_optimizer: keys.OffloadOptimizerSection | None = None  # device: refused
+    offload_param: keys.OffloadParamSection | None = None  # device: refused
 
     @property
     def overlap(self) -> bool:
@@ -95,7 +95,7 @@ class ZeroConfig(_Section):
         return any(b is not None and b.device != "none" for b in blocks)
 
 
-class GasConfig(_Section):
+class GasConfig(keys.SwitchedOffKeys, _Section):
     train_batch_size: int | None = None
     train_micro_batch_size_per_gpu: int | None = None
     gradient_accumulation_steps: int | None = None
@@ -109,15 +109,16 @@ class GasConfig(_Section):
     # false), as in DeepSpeed: the mean is the same, the rounding may differ for W not 2^k.
     prescale_gradients: bool = False
     gradient_predivide_factor: float = 1.0
-    fp16: deepspeed_keys.Fp16Section = Field(default_factory=deepspeed_keys.Fp16Section)
-    compile: deepspeed_keys.CompileSection = Field(default_factory=deepspeed_keys.CompileSection)
+    fp16: keys.Fp16Section = Field(default_factory=keys.Fp16Section)
+    compile: keys.CompileSection = Field(default_factory=keys.CompileSection)
     amp: dict | None = None  # present only so gas_lab/rules/refusals.py can say why it is refused
     # Accepted and ignored, as DeepSpeed ignores it without a PipelineModule (refused: rules).
     pipeline: dict | None = None
     steps_per_print: int | None = None  # accepted and ignored (DeepSpeed's logging); 0 refused
     wall_clock_breakdown: bool = False  # accepted and ignored: DeepSpeed's timers
+    log_level: str | None = None  # accepted and ignored: DeepSpeed's logging
     world_size: int = Field(1, exclude=True)  # not a DeepSpeed key: filled in by load_config
-    # Lesson 08: schedules (gas_lab/schedules.py), sum or mean, precision (gas_lab/precision.py).
+    # Lesson 08: schedules (gas_lab/deepspeed_compat/schedules.py), sum or mean, precision (gas_lab/deepspeed_compat/precision.py).
     scheduler: schedules.SchedulerConfig | None = None
     gradient_allreduce_op: str = "mean"  # "sum": no division by the world size
     bf16: precision.Bf16Config = Field(default_factory=precision.Bf16Config)
@@ -210,19 +211,23 @@ def load_config(config: dict | GasConfig, world_size: int = 1) -> GasConfig:
     Raises ConfigError (a bad key or value), refusals.RejectedCombination (a combination DeepSpeed
     refuses at initialize) or refusals.NotImplementedInGasLab (fine in DeepSpeed, not taught here).
     """
-    cfg = parse(config)
-    batch = resolve_batch(
-        cfg.train_batch_size,
-        cfg.train_micro_batch_size_per_gpu,
-        cfg.gradient_accumulation_steps,
-        world_size,
-    )
-    cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps = (
-        batch
-    )
-    cfg.world_size = world_size
+    cfg = with_batch(parse(config), world_size)
     # Model-independent rules; engine.initialize checks again once it knows the model.
     refusals.enforce(refusals.Situation(config=cfg))
+    return cfg
+
+
+def with_batch(cfg: GasConfig, world_size: int) -> GasConfig:
+    """``cfg`` with its three batch numbers derived and checked for ``world_size`` (in place)."""
+    cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps = (
+        resolve_batch(
+            cfg.train_batch_size,
+            cfg.train_micro_batch_size_per_gpu,
+            cfg.gradient_accumulation_steps,
+            world_size,
+        )  # fmt: skip
+    )
+    cfg.world_size = world_size
     return cfg
 
 
@@ -235,7 +240,7 @@ def parse(config: dict | GasConfig) -> GasConfig:
     if "world_size" in config:
         raise ConfigError("world_size", "not a DeepSpeed key: the world size is the process "
                           "group's (give train_batch_size and the micro-batch size instead)")  # fmt: skip
-    deepspeed_keys.check_known(config, config.get("zero_optimization"))
+    config = keys.check_known(config)  # what does nothing is accepted, and left out
     if "amp" in config and config["amp"] is None:
         config = {**config, "amp": {}}  # DeepSpeed refuses the key itself, even null (rules)
     try:

@@ -26,12 +26,15 @@ power of two).
 ``stage1_calls`` returns the plan as data (:class:`Call`), so a lesson can print it. With
 ``round_robin_gradients`` the parameters are laid into the flat vector in DeepSpeed's
 round-robin order (:func:`round_robin`), which changes who owns which element, not the numbers.
+:class:`Zero1Plan` is what :class:`gas_lab.zero1.ShardedUpdate` is given to run all that, and
+:class:`Division` where the config puts the division by W.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -181,13 +184,70 @@ def reduce_views(views: list[torch.Tensor], group, comm_dtype, kind: str = "all_
         offset += v.numel()
 
 
-def engine_all_reduce(grads: list[torch.Tensor], group, config, comm_dtype) -> None:
+@dataclass(frozen=True)
+class Division:
+    """Where DeepSpeed divides the sum by the world size: the config's
+    ``gradient_allreduce_op`` (``"sum"``: not at all), ``prescale_gradients`` and
+    ``gradient_predivide_factor``."""
+
+    average: bool = True
+    prescale: bool = False
+    predivide: float = 1.0
+
+    @classmethod
+    def of(cls, config) -> Division:
+        return cls(config.gradient_allreduce_op == "mean", config.prescale_gradients,
+                   config.gradient_predivide_factor)  # fmt: skip
+
+    def steps(self, scaling: str, world_size: int):
+        """:func:`scale_steps` for a collective of ``scaling``."""
+        return scale_steps(scaling, world_size, self.average, self.prescale, self.predivide)
+
+
+@dataclass(frozen=True)
+class Zero1Plan:
+    """DeepSpeed 0.19.8's ZeRO-1 boundary, as its config decides it: the collectives that
+    reduce the flat gradients (:meth:`reduce`), the order of the parameters in the flat vector
+    (:meth:`order`, ``round_robin_gradients``) and whether every update computes the global
+    norm (``compute_grad_norm``, which only matters with clipping off)."""
+
+    zero: Any  # the config's zero_optimization
+    division: Division
+    engine_buckets: bool  # BF16_Optimizer (bf16 + fp32 accumulation): stage 0's buckets
+
+    @classmethod
+    def of(cls, config, route) -> Zero1Plan:
+        return cls(config.zero_optimization, Division.of(config),
+                   route.wrapper == "BF16_Optimizer")  # fmt: skip
+
+    @property
+    def compute_norm(self) -> bool:
+        return self.zero.compute_grad_norm
+
+    def order(self, numels: list[int], world_size: int) -> list[int]:
+        if self.zero.round_robin_gradients:
+            return round_robin(numels, world_size)
+        return list(range(len(numels)))
+
+    def reduce(self, flats: list[torch.Tensor], groups, group, comm_dtype) -> None:
+        """Reduce each param group's flat local gradient (``flats``) in place, with
+        DeepSpeed's collectives; ``groups`` are ZeRO-1's flat groups (their layout)."""
+        if self.engine_buckets:  # no ZeRO buckets: the engine's
+            real = [t[: g.layout.numel] for g, t in zip(groups, flats, strict=True)]
+            engine_all_reduce(real, group, self.division, comm_dtype)
+            return
+        world = dist.get_world_size(group) if group is not None else 1
+        for call in stage1_calls([(g.walk, g.layout.shard_size) for g in groups], self.zero):
+            views = [flats[p.group][p.start : p.end] for p in call.pieces]
+            steps = self.division.steps(call.scaling, world)
+            reduce_views(views, group, comm_dtype, call.kind, call.dst, steps)
+
+
+def engine_all_reduce(grads: list[torch.Tensor], group, division: Division, comm_dtype) -> None:
     """Stage 0's reduction (and BF16_Optimizer's at stage 1): 5e8-element buckets, in place."""
     if group is None:
         return
-    steps = scale_steps("engine", dist.get_world_size(group),
-                        config.gradient_allreduce_op == "mean", config.prescale_gradients,
-                        config.gradient_predivide_factor)  # fmt: skip
+    steps = division.steps("engine", dist.get_world_size(group))
     by_dtype: dict[torch.dtype, list] = {}
     for g in grads:
         by_dtype.setdefault(g.dtype, []).append(g)

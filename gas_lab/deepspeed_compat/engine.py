@@ -1,0 +1,436 @@
+"""DeepSpeed's engine: gas_lab's floor (:mod:`gas_lab.engine`) plus what DeepSpeed 0.19.8 does
+around it, so that a loop written for ``deepspeed.initialize`` runs unchanged on
+:func:`initialize` and ends with DeepSpeed's numbers::
+
+    engine, optimizer, _, _ = initialize(model=model, model_parameters=model.parameters(),
+                                         config=cfg)   # or args=args with --deepspeed_config
+    loss = loss_fn(engine(x), y)
+    engine.backward(loss)   # accumulate (and, at a managed boundary, reduce)
+    engine.step()           # update, or only count the micro-step
+
+What this layer adds to the floor's counting and boundary, each at one named place:
+
+* the config, with DeepSpeed's keys and defaults (:mod:`.config`), and DeepSpeed's refusals,
+  checked where DeepSpeed checks them (:meth:`DeepSpeedEngine.check`, :mod:`gas_lab.rules`);
+* a direct ``loss.backward()``, seen by a hook on the model's output as in DeepSpeed: refused at
+  ZeRO stage 0; at stages 1 and 2 divided by GAS and reduced like ``engine.backward(loss)``, but
+  only ``engine.backward()`` counts towards ``global_samples``;
+* the strategy for the config's ZeRO stage, with DeepSpeed's buckets and precision
+  (:mod:`.strategies`); updates skipped on a non-finite norm (``skipped_steps``);
+  ``set_gradient_accumulation_boundary()`` and ``coalesce_grad_reduction()``;
+* the LR schedule stepped at applied updates (:mod:`.schedules`), checkpoints
+  (:mod:`.checkpoint`), the data loader (:mod:`.loader`), and the names training loops read
+  (``local_rank``, ``device``, ``world_size``, ``get_global_grad_norm()``, ...).
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import functools
+import json
+import os
+
+import torch
+import torch.distributed as dist
+
+from gas_lab.deepspeed_compat import checkpoint, loader, precision, schedules
+from gas_lab.deepspeed_compat.config import GasConfig, load_config
+from gas_lab.deepspeed_compat.strategies import strategy_for
+from gas_lab.dp import default_group
+from gas_lab.engine import Engine
+from gas_lab.errors import ConfigError, NotImplementedInGasLab
+from gas_lab.rules import refusals
+from gas_lab.rules.calls import situation_action
+
+TORCH_DISTRIBUTED_DEFAULT_PORT = 29500  # deepspeed.constants'
+
+
+class DeepSpeedEngine(Engine):
+    """:class:`gas_lab.engine.Engine` with DeepSpeed's config, refusals, hooks and bookkeeping.
+
+    Built by :func:`initialize`; ``strategy(params, optimizer, group, max_norm, config)`` is one
+    of :func:`~gas_lab.deepspeed_compat.strategies.strategy_for`'s.
+    """
+
+    def __init__(self, module, optimizer, config: GasConfig, group, strategy, device=None):
+        super().__init__(
+            module, optimizer, config.gradient_accumulation_steps,
+            config.train_micro_batch_size_per_gpu, config.managed_gradient_accumulation, group,
+            functools.partial(strategy, config=config), config.gradient_clipping,
+        )  # fmt: skip
+        self._config = config
+        self.precision = precision.route(config)  # where a bf16 run rounds (lesson 08)
+        self.skipped_steps = 0  # updates skipped for a non-finite gradient norm
+        self.lr_scheduler = None  # set by initialize (lesson 08)
+        self.training_dataloader = None  # initialize(training_data=...) (lesson 08)
+        self._window_empty = True  # no backward, no reduction since the last update (lesson 07)
+        self._boundary_override = None  # set_gradient_accumulation_boundary() (managed only)
+        self._inside_engine_backward = False  # the output hooks leave engine.backward() alone
+        self._direct_backward_seen = False  # a direct loss.backward() is running
+        self._step_applied = False
+        self._lr_kwargs = None  # step(lr_kwargs=...), for the scheduler after the update
+        # Where this process runs, in DeepSpeed's names (a loop reads them).
+        self.global_rank = dist.get_rank() if group is not None else 0
+        self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        self.dp_world_size = self.world_size
+        self.data_parallel_group = group
+        self.device = device if device is not None else _device_of(module)
+        self.mpu = None
+
+    # -- the training loop: the floor's, with DeepSpeed's checks and hooks --------------------
+    def forward(self, *inputs, **kwargs):
+        out = super().forward(*inputs, **kwargs)
+        # A hook on each output sees every backward pass through it start, engine's or not.
+        self._direct_backward_seen = False  # (a backward that failed half-way left it set)
+        for tensor in _output_tensors(out):
+            if tensor.requires_grad:
+                tensor.register_hook(self._on_output_grad)
+        return out
+
+    def backward(self, loss, retain_graph=False, scale_wrt_gas=True):
+        """:meth:`Engine.backward <gas_lab.engine.Engine.backward>`, seen by no output hook."""
+        if not (torch.is_tensor(loss) and loss.numel() == 1):
+            raise ValueError("engine.backward() expects a scalar loss tensor")
+        self._strategy_hook("before_backward")  # bf16 + fp32 accumulation: fresh .grad
+        self._inside_engine_backward = True
+        try:
+            return super().backward(loss, retain_graph, scale_wrt_gas)
+        finally:
+            self._inside_engine_backward = False
+
+    def after_backward(self) -> None:
+        super().after_backward()
+        self._window_empty = False
+
+    def _on_output_grad(self, grad):
+        """Hook on the model's output: a backward pass reached it. Only a direct
+        ``loss.backward()`` gets past the first line: refused at stage 0 (``rules``); at stage 1
+        divided by GAS here, and reduced once autograd has filled every ``.grad``."""
+        if self._inside_engine_backward:
+            return grad
+        if not self._direct_backward_seen:  # once per pass, however many outputs it reaches
+            self.check("tensor_backward")
+            self._direct_backward_seen = True
+            self._strategy_hook("before_backward")
+            # Run once this pass ends (DeepSpeed's ZeRO optimizers use the same autograd call).
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_direct_backward)
+        return grad / self.gas  # what scale_wrt_gas=True does
+
+    def _end_direct_backward(self) -> None:
+        self._direct_backward_seen = False
+        self.direct_backward_ended()
+
+    def direct_backward_ended(self) -> None:
+        """A direct ``loss.backward()`` finished: what follows ``engine.backward()``'s pass
+        (at stages 1 and 2 DeepSpeed's gradient hooks see the end of every pass)."""
+        self.after_backward()
+
+    def step(self, lr_kwargs=None):
+        """:meth:`Engine.step <gas_lab.engine.Engine.step>`, checked. After an applied update
+        the LR scheduler steps (``scheduler.step(**lr_kwargs)``); a skipped one (non-finite
+        gradient norm) counts in ``skipped_steps`` instead."""
+        self.check("step")
+        self._step_applied = False
+        self._lr_kwargs = lr_kwargs
+        super().step()
+
+    def update(self) -> bool:
+        self._window_empty = True  # a new accumulation window starts
+        self._step_applied = super().update()
+        if self._step_applied:
+            schedules.step_after_update(self.lr_scheduler, self._lr_kwargs, self.train_batch_size())
+        else:
+            self.skipped_steps += 1
+        return self._step_applied
+
+    def _strategy_hook(self, name: str, *args) -> None:
+        # Optional: strategies with extra buffers (bf16) or that reduce in backward (ZeRO-2).
+        hook = getattr(self.strategy, name, None)
+        if hook is not None:
+            hook(*args)
+
+    # -- the boundary, moved or suspended ----------------------------------------------------
+    def is_gradient_accumulation_boundary(self) -> bool:
+        if self._boundary_override is not None:
+            return self._boundary_override
+        return super().is_gradient_accumulation_boundary()
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
+        """Managed only: True or False overrides the counter, and it stays overridden until
+        set again; None hands the boundary back to the counter (as in DeepSpeed)."""
+        self.check("set_boundary_true" if is_boundary else "set_boundary_false")
+        self._boundary_override = is_boundary
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        self.check("enter_no_sync")
+        with super().no_sync():
+            yield
+
+    @contextlib.contextmanager
+    def coalesce_grad_reduction(self):
+        """ZeRO-1, managed: the backward() calls of one optimizer step, reduced once.
+
+        Inside the block backward() keeps the gradients local, as inside no_sync(), and step()
+        is refused; leaving the block reduces them once, boundary or not (even when left by an
+        exception, as in DeepSpeed), and the next boundary step() updates from that. Refused
+        unmanaged, at stage 0 and nested, as by DeepSpeed.
+        """
+        self.check("enter_coalesce")
+        self.inside_no_sync_ctxt = True
+        self._strategy_hook("defer_reduction", True)  # ZeRO-2 would reduce inside backward()
+        try:
+            yield
+        finally:
+            self.inside_no_sync_ctxt = False
+            self._strategy_hook("defer_reduction", False)
+            self.strategy.reduce_gradients()
+            self._window_empty = False  # reduced, even if nothing: DeepSpeed then steps
+
+    # -- the rules -------------------------------------------------------------------------------
+    def check(self, op: str) -> None:
+        """Raise what DeepSpeed raises for the engine call ``op`` (an op of
+        :data:`gas_lab.rules.calls.CALLS`) in this engine's situation; the teaching mode that
+        switches rules off (:mod:`gas_lab.rules.unsafe`) overrides this one method."""
+        # An update ahead (unmanaged: every step(); managed: the boundary) from no backward().
+        update = not self.managed or self.is_gradient_accumulation_boundary()
+        idle = op == "step" and update and self._window_empty
+        situation = refusals.Situation(self._config, situation_action(op),
+                                       inside_no_sync=self.inside_no_sync_ctxt, idle=idle)  # fmt: skip
+        refusals.enforce(situation)
+
+    # -- read-only facts, named as in DeepSpeed --------------------------------------------------
+    def was_step_applied(self) -> bool:
+        return self._step_applied
+
+    def managed_gradient_accumulation(self) -> bool:
+        return self._config.managed_gradient_accumulation
+
+    def gradient_accumulation_steps(self) -> int:
+        return self._config.gradient_accumulation_steps
+
+    def train_batch_size(self) -> int:
+        return self._config.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self._config.train_micro_batch_size_per_gpu
+
+    def gradient_clipping(self) -> float:
+        return self._config.gradient_clipping
+
+    def zero_optimization_stage(self) -> int:
+        return self._config.zero_optimization.stage
+
+    def zero_optimization(self) -> bool:
+        return self.zero_optimization_stage() > 0
+
+    def bfloat16_enabled(self) -> bool:
+        return self._config.bf16.enabled
+
+    def fp16_enabled(self) -> bool:
+        return self._config.fp16.enabled  # always False: initialize refuses fp16
+
+    def steps_per_print(self) -> int | None:
+        return self._config.steps_per_print
+
+    def get_global_grad_norm(self) -> float | None:
+        """The gradient norm of the last update, before clipping, where DeepSpeed keeps one
+        (ZeRO stages 1 and 2); None at stage 0, as in DeepSpeed."""
+        return getattr(self.strategy, "last_norm", None)
+
+    def get_lr(self) -> list[float]:
+        return [group["lr"] for group in self.optimizer.param_groups]
+
+    def zero_grad(self) -> None:
+        for p in self.module.parameters():
+            p.grad = None
+
+    def destroy(self) -> None:
+        """Release what the engine attached to the model, as DeepSpeed's ``engine.destroy()``:
+        at ZeRO-1 the attributes that expose sharded gradients (at stage 0 nothing is attached).
+        The module keeps its trained weights and can be used without the engine."""
+        self._strategy_hook("destroy")
+
+    # -- checkpoints (lesson 08, gas_lab/deepspeed_compat/checkpoint.py) -------------------------
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True) -> bool:
+        """Save on every rank; exact only at a boundary (gradients are not saved)."""
+        return checkpoint.save(self, self.strategy, save_dir, tag, client_state, save_latest)
+
+    def load_checkpoint(self, load_dir, tag=None, load_module_strict=True,
+                        load_optimizer_states=True, load_lr_scheduler_states=True,
+                        load_module_only=False):  # fmt: skip
+        """Restore weights, optimizer, scheduler and counters: ``(path, client_state)``."""
+        return checkpoint.load(self, self.strategy, load_dir, tag, load_module_strict,
+                               load_optimizer_states, load_lr_scheduler_states,
+                               load_module_only)  # fmt: skip
+
+
+def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None,
+               lr_scheduler=None, distributed_port=TORCH_DISTRIBUTED_DEFAULT_PORT, mpu=None,
+               dist_init_required=None, collate_fn=None, config=None, mesh_param=None,
+               config_params=None, *, group=None, strategy=None):  # fmt: skip
+    """gas_lab's ``deepspeed.initialize``, with DeepSpeed 0.19.8's arguments: ``(engine,
+    optimizer, training_dataloader, lr_scheduler)``, the last two None when not asked for.
+
+    The config, as DeepSpeed takes it: ``config`` (a dict, or the path of a JSON file),
+    ``config_params`` (DeepSpeed's older name for it) or ``args.deepspeed_config`` (the
+    ``--deepspeed_config`` of ``deepspeed.add_config_arguments``); given twice it is refused.
+    ``args.local_rank``, if ``args`` has one, is set to the engine's. ``dist_init_required``
+    False needs a process group already; ``distributed_port`` is handed to ``deepspeed.comm``,
+    which is set up as ``deepspeed.initialize`` sets it up wherever DeepSpeed is installed.
+    ``mpu`` and ``mesh_param`` (model and sequence parallelism) are refused: gas_lab is
+    data-parallel only.
+
+    ``training_data``: a map-style Dataset; the third value is this rank's loader of
+    micro-batches (:mod:`.loader`). ``lr_scheduler``: a scheduler object, or a callable given the
+    torch optimizer; it wins over the config's ``scheduler`` block (:mod:`.schedules`).
+
+    gas_lab's own keywords: ``group``, the process group (default:
+    :func:`gas_lab.dp.default_group`, the default group or one started from torchrun's
+    variables, as DeepSpeed finds it, or none); ``strategy``, how the boundary reduces and
+    updates (default: :func:`~gas_lab.deepspeed_compat.strategies.strategy_for` the config's
+    ZeRO stage).
+    """
+    if model is None:
+        raise ValueError("initialize() requires a model (DeepSpeed asserts it too)")
+    for name, value, instead in (
+        ("mpu", mpu, "model parallelism (tensor or pipeline) is DeepSpeed-only"),
+        ("mesh_param", mesh_param, "sequence parallelism is DeepSpeed-only"),
+    ):
+        if value is not None:
+            raise NotImplementedInGasLab(
+                f"initialize({name}=...): {instead}; gas_lab is data-parallel only. Leave "
+                f"{name} out, or use deepspeed.initialize"
+            )
+    if dist_init_required is False and not dist.is_initialized():
+        raise ValueError("dist_init_required=False, but no process group exists: start one "
+                         "first, or leave dist_init_required out (DeepSpeed asserts the same)")  # fmt: skip
+    group = group if group is not None else default_group()
+    if group is not None:
+        _set_up_deepspeed_comm(distributed_port, dist_init_required)
+    world_size = dist.get_world_size(group) if group is not None else 1
+    cfg = load_config(read_config(_the_config(args, config, config_params)), world_size)
+    pipeline = any(c.__name__ == "PipelineModule" for c in type(model).__mro__)
+    refusals.enforce(refusals.Situation(cfg, pipeline=pipeline))
+    device = _device_for(group, model)
+    model.to(device)  # as DeepSpeed does: with nccl, this rank's GPU
+    precision.cast_parameters(model, cfg.model_dtype)  # bf16: the weights, not the buffers
+    if optimizer is None:  # as in DeepSpeed, a client optimizer wins over the config's
+        if cfg.optimizer is None:
+            raise NotImplementedInGasLab(
+                "gas_lab engines train: give config['optimizer'] or optimizer=..."
+            )
+        params = model_parameters if model_parameters is not None else model.parameters()
+        optimizer = cfg.optimizer.torch_optimizer(params)
+    strategy = strategy or strategy_for(cfg.zero_optimization.stage)
+    engine = DeepSpeedEngine(model, optimizer, cfg, group, strategy, device)
+    if args is not None and hasattr(args, "local_rank"):
+        args.local_rank = engine.local_rank  # DeepSpeed aligns it with LOCAL_RANK too
+    engine.lr_scheduler = schedules.configure(
+        cfg.scheduler, lr_scheduler, engine.optimizer, cfg.zero_optimization.stage
+    )
+    if training_data is not None:
+        rank = dist.get_rank(group) if group is not None else 0
+        engine.training_dataloader = loader.training_loader(
+            training_data, cfg.train_micro_batch_size_per_gpu, world_size, rank, collate_fn,
+            cfg.dataloader_drop_last,
+        )  # fmt: skip
+    return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def _the_config(args, config, config_params):
+    """The one config among ``config``, ``config_params`` and ``args.deepspeed_config``, as
+    ``deepspeed.initialize`` picks it (``args.deepscale_config``: its deprecated name)."""
+    if config is None:
+        config = config_params
+    from_args = getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
+    if from_args is not None:
+        if config is not None:
+            raise ConfigError("<config>", "given twice, in args.deepspeed_config and in "
+                              "initialize(config=...): keep one (DeepSpeed asserts the same)",
+                              deepspeed_raises=AssertionError)  # fmt: skip
+        config = from_args
+    if config is None:
+        raise ConfigError("<config>", "none given: pass initialize(config=...) or "
+                          "args.deepspeed_config (--deepspeed_config)",
+                          deepspeed_raises=AssertionError)  # fmt: skip
+    return config
+
+
+def read_config(config) -> dict:
+    """A config dict, or what a path names (a JSON file, read as DeepSpeed reads it: hjson
+    where installed, duplicate keys refused), or a base64-encoded JSON string."""
+    if isinstance(config, (dict, GasConfig)):
+        return config
+    if not isinstance(config, (str, os.PathLike)):
+        raise ConfigError("<config>", f"expected a dict or a path, got {type(config).__name__}")
+    if os.path.isfile(config):
+        with open(config) as f:
+            return _parse_json(f.read(), f"file {os.fspath(config)}")
+    try:
+        text = base64.urlsafe_b64decode(str(config)).decode("utf-8")
+    except (ValueError, UnicodeDecodeError):
+        raise ConfigError("<config>", f"{config!r} is neither a JSON file nor base64-encoded "
+                          "JSON (DeepSpeed raises ValueError too)") from None  # fmt: skip
+    return _parse_json(text, "base64 string")
+
+
+def _parse_json(text: str, where: str) -> dict:
+    def no_duplicates(pairs):
+        keys = [k for k, _ in pairs]
+        duplicate = next((k for k in keys if keys.count(k) > 1), None)
+        if duplicate is not None:
+            raise ConfigError(duplicate, f"appears twice in the config {where}")
+        return dict(pairs)
+
+    try:
+        import hjson  # DeepSpeed's reader: JSON plus comments and trailing commas
+
+        parsed = hjson.loads(text, object_pairs_hook=no_duplicates)
+    except ImportError:
+        parsed = json.loads(text, object_pairs_hook=no_duplicates)
+    except ValueError as err:
+        if isinstance(err, ConfigError):
+            raise
+        raise ConfigError("<config>", f"the config {where} is not JSON: {err}") from None
+    if not isinstance(parsed, dict):
+        raise ConfigError("<config>", f"the config {where} holds a {type(parsed).__name__}")
+    return parsed
+
+
+def _set_up_deepspeed_comm(distributed_port: int, dist_init_required) -> None:
+    """``deepspeed.initialize`` leaves ``deepspeed.comm`` ready (``deepspeed.comm.get_rank()``
+    works after it); so does gas_lab's, on the process group that exists, where DeepSpeed is
+    installed."""
+    backend = dist.get_backend()
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if backend == "nccl" else "cpu")
+    try:
+        from deepspeed import comm
+    except ImportError:  # nothing written for DeepSpeed runs here then
+        return
+    comm.init_distributed(dist_backend=backend, distributed_port=distributed_port,
+                          dist_init_required=dist_init_required, verbose=False)  # fmt: skip
+
+
+def _device_for(group, module) -> torch.device:
+    """Where DeepSpeed puts the model: this rank's GPU when the group runs on nccl; otherwise
+    gas_lab leaves it where it is (DeepSpeed's CPU accelerator: the CPU)."""
+    if group is not None and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
+    return _device_of(module)
+
+
+def _device_of(module) -> torch.device:
+    return next((p.device for p in module.parameters()), torch.device("cpu"))
+
+
+def _output_tensors(out) -> list[torch.Tensor]:
+    """The tensors in a forward's output: a tensor, or tuples, lists and dicts of them."""
+    if torch.is_tensor(out):
+        return [out]
+    if isinstance(out, dict):
+        out = list(out.values())
+    if isinstance(out, (list, tuple)):
+        return [t for item in out for t in _output_tensors(item)]
+    return []
