@@ -2,13 +2,20 @@
 
 import pytest
 import torch
-from exercise_support import assert_failed, assert_todo, load_solutions, todo
+from exercise_support import (
+    assert_failed,
+    assert_hint_on_second_try,
+    assert_todo,
+    load_solutions,
+    todo,
+)
 
 from gas_lab.lessons.exercises.lesson01 import (
     buggy_clipped_step,
     check_clipped_step,
     check_per_token_stream,
 )
+from gas_lab.lessons.exercises.verdict import reset_tries
 
 SOL = load_solutions(1)
 CHECKS = [
@@ -67,16 +74,21 @@ def _looks_ahead(model, stream, loss_fn):
 
 
 @pytest.mark.parametrize(
-    ("wrong", "case", "words"),
+    ("wrong", "case", "words", "hint"),
     [
-        (_summed_only, "one micro-batch", ["SUM over the window's", "divide every .grad"]),
-        (_running_count, "no padding, equal micro-batches", ["SO FAR", "off by"]),
-        (_own_mean, "padding: long then short sequences", ["mean of means", "off by"]),
-        (_counts_padding, "one micro-batch", ["padding positions were counted"]),
+        (_summed_only, "one micro-batch", ["SUM over the window's"], "divide every .grad"),
+        (_running_count, "no padding, equal micro-batches", ["SO FAR", "off by"], "once"),
+        (_own_mean, "padding: long then short sequences", ["mean of means", "off by"], "SUMMED"),
+        (_counts_padding, "one micro-batch", ["padding positions were counted"], "sum the masks"),
     ],
 )
-def test_stream_mistakes_are_named(wrong, case, words):
-    assert_failed(check_per_token_stream(wrong), case, *words)
+def test_stream_mistakes_are_named_then_hinted(wrong, case, words, hint):
+    verdict = check_per_token_stream(wrong)
+    assert_failed(verdict, case, *words)
+    assert hint not in str(verdict)
+    assert "Look again at: Pitfall 2's fix" in str(verdict)
+    reset_tries()
+    assert_hint_on_second_try(lambda: check_per_token_stream(wrong), hint)
 
 
 def test_looking_ahead_is_refused_by_the_stream():
@@ -106,6 +118,9 @@ def test_the_given_loop_fails_on_its_clipping_bug_first():
     verdict = check_clipped_step(buggy_clipped_step)
     assert_failed(verdict, "equal micro-batches, clipping active", "after every backward()")
     assert verdict.cases_passed == 1  # equal sizes and no clipping: the bugs are invisible
+    assert "clip once" not in str(verdict)
+    reset_tries()
+    assert_hint_on_second_try(lambda: check_clipped_step(buggy_clipped_step), "clip once")
 
 
 def test_the_bug_left_over_is_named():

@@ -23,7 +23,7 @@ from gas_lab.accumulate import (
     split_batch,
     token_loss,
 )
-from gas_lab.lessons.exercises.verdict import Verdict, check_cases
+from gas_lab.lessons.exercises.verdict import Miss, Verdict, check_cases
 from gas_lab.lessons.exercises.verdict import hint as hint  # lessonNN.hint()
 from gas_lab.toys import (
     TinySeqModel,
@@ -84,7 +84,7 @@ def _running_count(micro) -> dict:
     return grads_of(model)
 
 
-def _judge_stream(r: dict) -> str | None:
+def _judge_stream(r: dict) -> Miss | None:
     got, ref = r["got"], r["ref"]
     err = compare_grads(got, ref)
     if err.max_rel < TOL:
@@ -95,26 +95,30 @@ def _judge_stream(r: dict) -> str | None:
     factor = (dot / sum(ref[k].double().pow(2).sum() for k in ref)).item()
     if compare_grads(got, {k: v * factor for k, v in ref.items()}).max_rel < TOL:
         if abs(factor - r["tokens"]) < 1e-3 * r["tokens"]:
-            return (
-                f"the gradient is {factor:.0f} x the per-token one: that is the SUM over the "
-                f"window's {r['tokens']} real tokens. Once the stream ends, divide every .grad "
-                "by the count."
+            return Miss(
+                f"the gradient is {factor:.0f} x the per-token one: the SUM over the window's "
+                f"{r['tokens']} real tokens.",
+                "once the stream ends, divide every .grad by the count.",
             )
         if abs(factor * r["positions"] - r["tokens"]) < 1e-3 * r["tokens"]:
-            return (
-                f"padding positions were counted: you divided by {r['positions']} positions, "
-                f"the window has {r['tokens']} real tokens (sum the masks)."
+            return Miss(
+                f"padding positions were counted: the gradient is divided by {r['positions']} "
+                f"positions, the window has {r['tokens']} real tokens.",
+                "count the real tokens only: sum the masks.",
             )
-        return f"right direction, {factor:.3g} x the per-token gradient's size."
+        return Miss(f"right direction, {factor:.3g} x the per-token gradient's size.")
     if compare_grads(got, _running_count(r["micro"])).max_rel < TOL:
-        return (
+        return Miss(
             f"each micro-batch was divided by the tokens seen SO FAR, so early ones weigh "
-            f"more; {off}. Divide once, by the final count, after the last backward()."
+            f"more; {off}.",
+            "backward() the SUMMED token loss, and divide once, by the final count, after the "
+            "last backward().",
         )
     mean_of_means = accumulate_gradients(TinySeqModel(seed=2), r["micro"], token_loss)
     if compare_grads(got, mean_of_means).max_rel < TOL:
-        return f"this is mean of means (each micro-batch divided by its own tokens and N); {off}."
-    return f"the gradient differs from the window's per-token gradient: {err}."
+        return Miss(f"this is mean of means (each micro-batch divided by its own tokens and N); "
+                    f"{off}.")  # fmt: skip
+    return Miss(f"the gradient differs from the window's per-token gradient: {err}.")
 
 
 def check_per_token_stream(fn: Callable) -> Verdict:
@@ -140,6 +144,8 @@ def check_per_token_stream(fn: Callable) -> Verdict:
         "backward() each micro-batch's SUMMED token loss ((losses * mask).sum()), count its "
         "real tokens as you go, and when the stream ends divide every p.grad by the total: "
         "the gradient of a sum divided by T is the gradient of the per-token mean.",
+        where="Pitfall 2's fix (one token count for the whole window) and *The idea* "
+        "(what backward() does to .grad)",
     )
 
 
@@ -196,7 +202,7 @@ def _clip_case(fn: Callable, sizes: list[int], max_norm: float):
     def run():
         return sizes, max_norm, _train(fn, sizes, max_norm)
 
-    def judge(result) -> str | None:
+    def judge(result) -> Miss | None:
         sizes, max_norm, got = result
         ref = _train(_REFERENCE, sizes, max_norm)
         err = (got - ref).abs().max().item()
@@ -205,23 +211,29 @@ def _clip_case(fn: Callable, sizes: list[int], max_norm: float):
         for name, mistake in _MISTAKES.items():
             if (got - _train(mistake, sizes, max_norm)).abs().max().item() > 1e-6:
                 continue
-            if name == "no clipping":
-                return (
-                    f"the parameters are those of a run WITHOUT clipping ({err:.2g} from the "
-                    f"reference): the step must still clip at max_norm = {max_norm:g}, once."
-                )
-            what = {
+            what, fix = {
+                "no clipping": (
+                    "the parameters are those of a run WITHOUT clipping",
+                    f"the step must still clip at max_norm = {max_norm:g}, once.",
+                ),
                 "clip inside": (
                     "clipping runs after every backward() and rescales the running sum each "
-                    "time: the first micro-batches are shrunk once per later one, the last once"
+                    "time: the first micro-batches are shrunk once per later one, the last once",
+                    "clip once, after the last backward(): clipping is about the gradient of "
+                    "the whole batch.",
                 ),
                 "mean of means": (
                     f"micro-batches of sizes {sizes} all weigh 1/N, so a sample of the small "
-                    "one weighs more than the others"
+                    "one weighs more than the others",
+                    "weigh each micro-batch's mean by len(mb) / (samples in the window), not "
+                    "by 1/N.",
                 ),
             }[name]
-            return f"{what}; the parameters are {err:.2g} from the reference after {STEPS} steps."
-        return f"the parameters are {err:.2g} from the reference after {STEPS} steps."
+            return Miss(
+                f"{what}; the parameters are {err:.2g} from the reference after {STEPS} steps.",
+                fix,
+            )
+        return Miss(f"the parameters are {err:.2g} from the reference after {STEPS} steps.")
 
     return run, judge
 
@@ -242,4 +254,6 @@ def check_clipped_step(fn: Callable) -> Verdict:
         "clipping is about the gradient of the whole batch: clip once, after the last "
         "backward(); and with sizes that differ, weigh each micro-batch's mean by "
         "len(mb) / (samples in the window), not by 1/N.",
+        where="*The idea* (what .grad holds after each backward()) and Pitfall 2 "
+        "(micro-batches of different sizes)",
     )
