@@ -215,6 +215,37 @@ def _assert_readable(fig):
 
 # ---------------------------------------------------------------- the command
 @pytest.mark.ranks
+def test_a_ddp_loop_is_recorded_with_its_all_reduces_inside_backward(cluster):
+    """Lesson 02's picture: torch DDP's loop (no engine) recorded by record_loop, for each
+    placement of no_sync(); an all-reduce of the whole gradient inside every backward, or only
+    inside the last one of each step when no_sync() wraps forward and backward."""
+    from gas_lab.lessons.loops import PLACEMENTS, ddp_train
+
+    for placement in PLACEMENTS:
+        for rank, result in enumerate(cluster.run(ddp_train, placement, GAS, STEPS)):
+            events, case = result["events"], (placement, rank)
+            assert tl.ranks(events) == [rank]
+            backwards = tl.calls(events, rank, "backward")
+            assert len(tl.calls(events, rank, "forward")) == len(backwards) == GAS * STEPS, case
+            assert [b.micro for b in backwards] == list(range(GAS)) * STEPS
+            steps = [(s.step, s.micro, s.boundary) for s in tl.calls(events, rank, "step")]
+            assert steps == [(k, None, True) for k in range(STEPS)], case
+            reduces = tl.collectives(events, rank)
+            assert {(c.name, c.bytes, c.parent, c.group_size) for c in reduces} == {
+                ("all_reduce", GRAD, "backward", W)
+            }, case
+            assert all(any(c.within(b) for b in backwards) for c in reduces)
+            last_only = placement == "forward_and_backward"
+            micros = [GAS - 1] if last_only else list(range(GAS))
+            assert [(c.step, c.micro) for c in reduces] == [
+                (k, m) for k in range(STEPS) for m in micros
+            ], case
+            assert (result["calls"], result["bytes"]) == (len(reduces), GRAD * len(reduces))
+    fig = tp.plot_timeline([e for r in cluster.run(ddp_train, "none", 2, 1) for e in r["events"]])
+    _assert_readable(fig)
+
+
+@pytest.mark.ranks
 def test_command_under_torchrun_writes_one_valid_trace_for_all_ranks(tmp_path):
     out = tmp_path / "trace.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
@@ -374,6 +405,31 @@ class FakeCluster:
         self.calls.append(kwargs)
         events = _events(kwargs["micro_batches"])
         return [[e for e in events if e.rank == r] for r in range(self.world_size)]
+
+
+def test_a_plain_loop_is_recorded_and_put_back_as_it_was():
+    """record_loop without ranks: forward, every Tensor.backward() and optimizer.step(), each
+    step a boundary; afterwards the model, the optimizer and torch.Tensor are untouched."""
+    import torch
+
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    backward, step = torch.Tensor.backward, optimizer.step
+    with tl.record_loop(model, optimizer) as events:
+        for _ in range(2):
+            for _ in range(3):
+                model(torch.ones(1, 4)).sum().backward()
+            optimizer.step()
+    assert [(e.name, e.step) for e in events] == [
+        (name, k) for k in range(2) for name in ["forward", "backward"] * 3 + ["step"]
+    ]
+    assert [e.micro for e in tl.calls(events, 0, "backward")] == [0, 1, 2] * 2
+    assert all(e.boundary for e in tl.calls(events, 0, "step")) and not tl.collectives(events)
+    assert torch.Tensor.backward is backward and "step" not in vars(optimizer)
+    assert "forward" not in vars(model) and optimizer.step == step
+    with pytest.raises(RuntimeError, match="boom"), tl.record_loop(model, optimizer):
+        raise RuntimeError("boom")  # an error inside the block puts everything back too
+    assert torch.Tensor.backward is backward and "forward" not in vars(model)
 
 
 def test_explorer_records_each_setting_once_and_says_why_it_cannot(capsys):

@@ -5,7 +5,7 @@ data of :mod:`gas_lab.toys`, so any process can rebuild what every rank saw. The
 such a loop should reach is :func:`gas_lab.measure.parity.reference_params`.
 
 * :func:`ddp_train`: ``torch.nn.parallel.DistributedDataParallel`` with ``no_sync()`` wrapped
-  around the forward and backward, around the backward only, or not used, counted.
+  around the forward and backward, around the backward only, or not used, counted and timed.
 * :func:`equal_n_train` (lesson 09): unmanaged accumulation where ranks have different numbers
   of micro-batches, made safe for ZeRO-2/3: every rank runs as many ``backward()`` calls as the
   busiest one, the extra ones with weight 0.
@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from gas_lab.measure.comm import count_collectives
 from gas_lab.measure.parity import quiet_deepspeed
+from gas_lab.measure.timeline import collectives, record_loop
 from gas_lab.toys import flat_params, micro_batch, tiny_model
 
 #: Where ``no_sync()`` goes in :func:`ddp_train`: around forward *and* backward (as torch's docs
@@ -28,14 +29,11 @@ PLACEMENTS = ("forward_and_backward", "backward_only", "none")
 
 
 def ddp_train(placement: str, n: int, steps: int, lr: float = 0.1, seed: int = 0) -> dict:
-    """Train ``parity.tiny_model`` with torch's DDP, ``n`` micro-batches per step, SGD.
+    """Train ``tiny_model`` with torch's DDP, ``n`` micro-batches per step, SGD, recorded.
 
     ``placement`` (one of :data:`PLACEMENTS`) says what ``no_sync()`` wraps for the first
-    ``n - 1`` micro-batches. Returns this rank's flat parameters and the loop's collectives.
-
-    DDP's reducer calls the process group from C++, where :mod:`gas_lab.measure.comm` cannot see it;
-    registering torch's stock ``allreduce_hook`` (what DDP does anyway: divide by the world
-    size, all-reduce) sends each bucket through ``torch.distributed.all_reduce``, which it can.
+    ``n - 1`` micro-batches. Returns this rank's flat parameters, the loop's all-reduces (calls,
+    bytes) and its timeline ``events`` (:func:`gas_lab.measure.timeline.record_loop`).
     """
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -45,9 +43,11 @@ def ddp_train(placement: str, n: int, steps: int, lr: float = 0.1, seed: int = 0
     rank = dist.get_rank()
     model = tiny_model(seed)
     ddp = DDP(model)
+    # DDP all-reduces from C++, out of a recorder's sight; its stock hook (divide by the world
+    # size, all-reduce) goes through torch.distributed.all_reduce, where a recorder sees it.
     ddp.register_comm_hook(None, allreduce_hook)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=lr)
-    with count_collectives() as log:
+    with record_loop(ddp, optimizer) as events:
         for step in range(steps):
             for m in range(n):
                 x, y = micro_batch(seed, step, m, rank, 2)
@@ -60,10 +60,12 @@ def ddp_train(placement: str, n: int, steps: int, lr: float = 0.1, seed: int = 0
                         loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+    reduces = [e for e in collectives(events) if e.kind == "all_reduce"]
     return {
         "params": flat_params(model),
-        "calls": log.count("all_reduce"),
-        "bytes": log.total_bytes(),
+        "calls": len(reduces),
+        "bytes": sum(e.bytes for e in reduces),
+        "events": events,
     }
 
 

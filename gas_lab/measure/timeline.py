@@ -15,6 +15,9 @@ after a barrier, so the ranks' rows line up. A collective is named as the ``torc
 function it reached (``all_reduce``, ``all_gather_into_tensor``, ...), whichever library issued it,
 so the two libraries' records compare event by event.
 
+:func:`record_loop` does the same for a plain PyTorch loop with no engine (torch DDP's: the
+model's forward, ``Tensor.backward()``, the optimizer's step).
+
 :func:`record_run` is the loop of ``python -m gas_lab.timeline`` (one toy model, one config,
 either library, ``micro_batches[r]`` micro-batches on rank r); :func:`record_on` runs it on a
 notebook's ranks. :func:`chrome_trace` turns events into a Chrome trace (Perfetto,
@@ -86,9 +89,42 @@ def record(engine, origin: int | None = None):
     indices are counted here: ``step`` = boundaries so far, ``micro`` = backward() calls since
     the last boundary.
     """
+    managed = engine.managed_gradient_accumulation()
+    calls = [(engine, name, name) for name in ENGINE_CALLS]  # engine(x) and .step() find them
+    steps = {"before": 0}
+
+    def before(name):
+        steps["before"] = engine.global_steps
+
+    def boundary(name):  # a step() that updated: global_steps advanced
+        return name == "step" and engine.global_steps != steps["before"]
+
+    with _recording(calls, before, boundary, managed, origin) as events:
+        yield events
+
+
+@contextlib.contextmanager
+def record_loop(model, optimizer, origin: int | None = None):
+    """Record a plain PyTorch loop, one with no engine (torch DDP's, lesson 02), the way
+    :func:`record` records an engine (on every rank).
+
+    ``model(x)`` is a ``forward``, every ``Tensor.backward()`` inside the block a ``backward``,
+    and every ``optimizer.step()`` a ``step`` that updates (the boundary). Yields the list of
+    events, filled when the block ends.
+    """
+    calls = [(model, "forward", "forward"), (torch.Tensor, "backward", "backward"),
+             (optimizer, "step", "step")]  # fmt: skip
+    with _recording(calls, lambda name: None, lambda name: name == "step", False, origin) as events:
+        yield events
+
+
+@contextlib.contextmanager
+def _recording(targets, before, boundary, managed: bool, origin: int | None):
+    """Wrap each ``(owner, attribute, call name)`` of ``targets`` for the block, and record the
+    collectives; ``before(name)`` runs as a call starts, ``boundary(name)`` says whether it
+    ended an optimizer step."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     origin = origin_ns() if origin is None else origin
-    managed = engine.managed_gradient_accumulation()
     calls: list[Event] = []
     state = {"step": 0, "micro": 0, "depth": 0}
 
@@ -99,7 +135,7 @@ def record(engine, origin: int | None = None):
             step, micro = state["step"], state["micro"]
             if name == "step":
                 micro = micro - 1 if managed else None  # managed: the micro-step it closes
-            steps_before = engine.global_steps
+            before(name)
             state["depth"] += 1
             start = time.perf_counter_ns()
             try:
@@ -107,26 +143,31 @@ def record(engine, origin: int | None = None):
             finally:
                 end = time.perf_counter_ns()
                 state["depth"] -= 1
-                boundary = name == "step" and engine.global_steps != steps_before
+                ended = boundary(name)
                 calls.append(
-                    Event(rank, "engine", name, start - origin, end - origin, step, micro, boundary)
+                    Event(rank, "engine", name, start - origin, end - origin, step, micro, ended)
                 )
                 if name == "backward":
                     state["micro"] += 1
-                if boundary:
+                if ended:
                     state["step"], state["micro"] = state["step"] + 1, 0
 
         return call
 
     events: list[Event] = []
-    for name in ENGINE_CALLS:  # on the instance: engine(x) and engine.step() both find it
-        setattr(engine, name, timed(name, getattr(engine, name)))
+    saved = []  # (owner, attribute, what its own __dict__ held): restored exactly
+    for owner, attribute, name in targets:
+        saved.append((owner, attribute, vars(owner).get(attribute, _ABSENT)))
+        setattr(owner, attribute, timed(name, getattr(owner, attribute)))
     try:
         with count_collectives() as log:
             yield events
     finally:
-        for name in ENGINE_CALLS:
-            delattr(engine, name)
+        for owner, attribute, own in reversed(saved):
+            if own is _ABSENT:  # the instance had none: it finds its class's again
+                delattr(owner, attribute)
+            else:
+                setattr(owner, attribute, own)
     events.extend(calls)
     for c in log.calls:
         start, end = c.start_ns - origin, c.end_ns - origin
@@ -149,6 +190,9 @@ def record(engine, origin: int | None = None):
         )
     # Start order; a call before the collectives it contains.
     events.sort(key=lambda e: (e.start_ns, e.cat != "engine"))
+
+
+_ABSENT = object()
 
 
 class PlanError(ValueError):
