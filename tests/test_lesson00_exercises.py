@@ -1,9 +1,17 @@
 """Lesson 00 checkers: the solutions pass, the TODO stubs say 'todo', typical mistakes are named."""
 
 import pytest
-from exercise_support import assert_failed, assert_todo, load_solutions, todo
+from exercise_support import (
+    assert_failed,
+    assert_hint_on_second_try,
+    assert_todo,
+    first_try,
+    load_solutions,
+    todo,
+)
 
 from gas_lab.lessons.exercises.lesson00 import check_any_rank_overflowed, check_gather_ragged
+from gas_lab.lessons.exercises.verdict import reset_tries
 
 SOL = load_solutions(0)
 pytestmark = pytest.mark.ranks
@@ -53,8 +61,13 @@ def _unequal_all_gather(x):
 def test_gather_mistakes_are_named(cluster):
     assert_failed(check_gather_ragged(_only_mine, cluster), "equal lengths", "only its own")
     verdict = check_gather_ragged(_padding_left_in, cluster)
-    assert_failed(verdict, "a different length on every rank", "padding zeros are still in")
+    assert_failed(verdict, "a different length on every rank", "zeros no rank holds", "[2, 5]")
+    assert "padding" not in verdict.message  # what differs, not the fix ...
     assert verdict.cases_passed == 1  # with equal lengths there is no padding to forget
+    reset_tries()
+    assert_hint_on_second_try(  # ... which the second wrong try gives
+        lambda: check_gather_ragged(_padding_left_in, cluster), "padding is still in"
+    )
 
 
 def test_gather_of_unequal_sizes_is_explained_not_raised(cluster):
@@ -87,6 +100,12 @@ def test_overflow_mistakes_are_named(cluster):
     verdict = check_any_rank_overflowed(_own_loss_only, cluster)
     assert_failed(verdict, "nan on the last rank only", "the ranks disagree", "[False, True]")
     assert verdict.cases_passed == 1
-    verdict = check_any_rank_overflowed(_sum_of_losses, cluster)
-    assert_failed(verdict, "every loss finite, and huge", "overflowed float32", "flag")
+    assert "Look again at: section 5" in str(verdict)
+    verdict = first_try(check_any_rank_overflowed, _sum_of_losses, cluster)
+    assert_failed(verdict, "every loss finite, and huge", "every loss is finite")
+    assert "overflow" not in verdict.message and "flag" not in verdict.message
     assert verdict.cases_passed == 3
+    reset_tries()
+    assert_hint_on_second_try(
+        lambda: check_any_rank_overflowed(_sum_of_losses, cluster), "overflowed float32", "flag"
+    )

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from gas_lab.toys import flat_params, regression_mlp
+from gas_lab.toys import flat_params, micro_batch, tiny_model
 
 
 def all_reduce_hello() -> dict:
@@ -28,7 +28,7 @@ def zero1_config(micro_batch: int = 4, gas: int = 2) -> dict:
     return {
         "train_micro_batch_size_per_gpu": micro_batch,
         "gradient_accumulation_steps": gas,
-        # PyTorch's Adam instead of DeepSpeed's fused one, which would JIT-compile for minutes.
+        # PyTorch's Adam instead of DeepSpeed's fused one, which would JIT-compile C++ first.
         "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}},
         "zero_optimization": {"stage": 1},
         "steps_per_print": 10**9,  # keep the notebook output for what we print ourselves
@@ -36,28 +36,25 @@ def zero1_config(micro_batch: int = 4, gas: int = 2) -> dict:
 
 
 def train_tiny_deepspeed(steps: int = 3, seed: int = 0, config: dict | None = None) -> dict:
-    """Train ``regression_mlp`` with ``deepspeed.initialize`` for a few optimizer steps.
-
-    Each rank draws *different* data (seeded by rank), so the ranks only end with equal
-    parameters if DeepSpeed really averaged their gradients. Returns this rank's parameters
-    as one flat tensor, and the engine's counters.
-    """
+    """Train ``tiny_model`` with ``deepspeed.initialize``; return this rank's parameters (one
+    flat tensor) and the engine's counters. ``micro_batch(seed, step, m, rank, size)`` is
+    rank's own fixed data, which one process can rebuild for every rank."""
     import deepspeed
 
     config = config or zero1_config()
-    model = regression_mlp(seed)  # same seed on every rank -> same initial weights
+    model = tiny_model(seed)  # same seed on every rank -> same initial weights
     engine, *_ = deepspeed.initialize(
         model=model, model_parameters=model.parameters(), config=config
     )
-    gen = torch.Generator().manual_seed(1000 + dist.get_rank())
-    micro = engine.train_micro_batch_size_per_gpu()
-    for _ in range(steps * engine.gradient_accumulation_steps()):
-        x = torch.randn(micro, 8, generator=gen).to(engine.device)  # same data on CPU or GPU
-        loss = (engine(x) - x.sum(dim=1, keepdim=True)).pow(2).mean()
-        engine.backward(loss)
-        engine.step()  # applies an update only on the accumulation boundary
+    rank, size = dist.get_rank(), engine.train_micro_batch_size_per_gpu()
+    for step in range(steps):
+        for m in range(engine.gradient_accumulation_steps()):
+            x, y = (t.to(engine.device) for t in micro_batch(seed, step, m, rank, size))
+            loss = torch.nn.functional.mse_loss(engine(x), y)
+            engine.backward(loss)
+            engine.step()  # applies an update only on the accumulation boundary
     return {
-        "rank": dist.get_rank(),
+        "rank": rank,
         "params": flat_params(engine.module),
         "global_steps": engine.global_steps,
         "global_samples": engine.global_samples,

@@ -5,7 +5,9 @@
     deepspeed --num_gpus 8 tutorials/scripts/hello_ranks.py               # same, DeepSpeed's launcher
 
 The launcher sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT; the script picks
-nccl where GPUs exist and gloo otherwise. Rank 0 prints one JSON line with the result.
+nccl where GPUs exist and gloo otherwise. Rank 0 prints one JSON line with the result: how far
+apart the ranks' parameters are (``param_spread``) and how far from one process that trained on
+every rank's data (``reference_error``, :func:`gas_lab.measure.parity.reference_params`).
 """
 
 import argparse
@@ -16,6 +18,7 @@ import torch.distributed as dist
 
 from gas_lab.dp import end_rank, init_from_env
 from gas_lab.lessons import hello
+from gas_lab.measure.parity import reference_params
 
 
 def main() -> None:
@@ -28,12 +31,17 @@ def main() -> None:
     greeting = hello.all_reduce_hello()
     result = hello.train_tiny_deepspeed(steps=args.steps)
 
-    # Every rank trained on different data; equal parameters mean the gradients were averaged.
+    # Equal parameters on every rank say the replicas agree, no more: at ZeRO stage 1, step()
+    # ends by all-gathering every rank's updated slice, so the ranks agree even on wrong weights.
+    # The proof that the gradients were averaged is the one-process reference.
     params = result["params"].cuda() if backend == "nccl" else result["params"]
     others = [torch.empty_like(params) for _ in range(dist.get_world_size())]
     dist.all_gather(others, params)
     spread = max((p - params).abs().max().item() for p in others)
     if dist.get_rank() == 0:
+        reference = reference_params(
+            hello.zero1_config(), args.steps, world_size=dist.get_world_size(), clip=1.0
+        )
         summary = {k: result[k] for k in ("global_steps", "global_samples", "micro_steps")}
         print(
             json.dumps(
@@ -42,6 +50,7 @@ def main() -> None:
                     "world_size": dist.get_world_size(),
                     "all_reduce": greeting["received"],
                     "param_spread": spread,
+                    "reference_error": (result["params"] - reference).abs().max().item(),
                     "params_sum": result["params"].sum().item(),
                     **summary,
                 }

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 
 from gas_lab.lessons.exercises.on_ranks import run_on_ranks
-from gas_lab.lessons.exercises.verdict import Verdict, check_cases
+from gas_lab.lessons.exercises.verdict import Miss, Verdict, check_cases
 from gas_lab.lessons.exercises.verdict import hint as hint  # lessonNN.hint()
 from gas_lab.runtime.rank_errors import RankError, RankStallError
 
@@ -54,26 +54,28 @@ def check_gather_ragged(fn, cluster) -> Verdict:
     def judge(lengths):
         want = [v for r in range(w) for v in _values(r, lengths[r])]
 
-        def problem(results) -> str | None:
+        def problem(results) -> Miss | None:
             if isinstance(results, RankError | RankStallError):
                 first = str(results).splitlines()[0]
-                return (
-                    f"the ranks failed ({first}); all_gather needs a tensor of the SAME size "
-                    f"from every rank, and these have {lengths} elements."
+                return Miss(
+                    f"the ranks failed ({first}): all_gather moves tensors of the SAME size on "
+                    f"every rank, and these have {lengths} elements."
                 )
             for rank, got in enumerate(results):
                 if got == want:
                     continue
                 if got is None:
-                    return f"rank {rank} returned None; return the gathered values."
+                    return Miss(f"rank {rank} returned None; expected {want}.",
+                                "return the gathered values, as a tensor.")  # fmt: skip
                 if got == _values(rank, lengths[rank]):
-                    return f"rank {rank} returned only its own values {got}; expected {want}."
+                    return Miss(f"rank {rank} returned only its own values {got}; expected {want}.")
                 if [v for v in got if v != 0.0] == want:
-                    return (
-                        f"rank {rank} returned {got}: the padding zeros are still in; cut each "
-                        f"rank's piece to its real length (lengths {lengths})."
+                    return Miss(
+                        f"rank {rank} returned {got}, expected {want}: zeros no rank holds "
+                        f"(lengths {lengths}).",
+                        "the padding is still in: keep only lengths[r] values of rank r's piece.",
                     )
-                return f"rank {rank} returned {got}, expected {want} (rank 0's values first)."
+                return Miss(f"rank {rank} returned {got}, expected {want} (rank 0's values first).")
             return None
 
         return problem
@@ -83,6 +85,8 @@ def check_gather_ragged(fn, cluster) -> Verdict:
         [(name, run(lengths), judge(lengths)) for name, lengths in cases.items()],
         "first all_gather the lengths (one number per rank), pad your tensor to the longest, "
         "all_gather the padded tensors, then keep lengths[r] values of rank r's piece.",
+        where="section 5 (*Hello, all-reduce*): one collective, one tensor from every rank; "
+        "here, what must every rank know before the values can travel?",
     )
 
 
@@ -111,24 +115,26 @@ def check_any_rank_overflowed(fn, cluster) -> Verdict:
     def judge(losses):
         want = any(not math.isfinite(v) for v in losses)
 
-        def problem(results) -> str | None:
+        def problem(results) -> Miss | None:
             if any(r is None for r in results):
-                return f"a rank returned None ({results}); return True or False."
+                return Miss(f"a rank returned None ({results}); expected {want} on every rank.",
+                            "return True or False.")  # fmt: skip
             if len(set(results)) > 1:
-                return (
-                    f"the ranks disagree: {results} for losses {losses}. Each rank looked only at "
-                    "its own loss; one rank would skip the step and another would not, and the "
-                    "replicas would drift apart. Combine the ranks' answers with a collective."
+                return Miss(
+                    f"the ranks disagree: {results} for losses {losses}; expected {want} on every "
+                    "rank. One rank would skip the step and another would not.",
+                    "each rank looked only at its own loss: combine the ranks' answers with a "
+                    "collective (all_reduce a 0/1 flag).",
                 )
             if results[0] == want:
                 return None
             if not want and all(v == _HUGE for v in losses):
-                return (
-                    f"every rank said True, but every loss is finite ({_HUGE:g} on each rank): "
+                return Miss(
+                    f"every rank said True, but every loss is finite ({_HUGE:g} on each rank).",
                     "summing the losses overflowed float32 to inf. Reduce a 0/1 flag (or use "
-                    "op=ReduceOp.MAX on it), not the losses."
+                    "op=ReduceOp.MAX on it), not the losses.",
                 )
-            return f"every rank said {results[0]} for losses {losses}; expected {want}."
+            return Miss(f"every rank said {results[0]} for losses {losses}; expected {want}.")
 
         return problem
 
@@ -141,4 +147,5 @@ def check_any_rank_overflowed(fn, cluster) -> Verdict:
         "turn your own verdict into a number (1.0 if not math.isfinite(loss) else 0.0), "
         "all_reduce it with op=dist.ReduceOp.MAX (or a SUM, then > 0), and return that on every "
         "rank.",
+        where="section 5 (*Hello, all-reduce*): what all_reduce combines, and how (its `op=`)",
     )
