@@ -1,7 +1,14 @@
 """Lesson 02 checkers: solutions pass, untouched stubs are 'todo', typical mistakes are named."""
 
 import pytest
-from exercise_support import assert_failed, assert_todo, first_try, load_solutions, todo
+from exercise_support import (
+    assert_failed,
+    assert_hint_on_second_try,
+    assert_todo,
+    first_try,
+    load_solutions,
+    todo,
+)
 
 from gas_lab.lessons.exercises.lesson02 import (
     buckets,
@@ -9,6 +16,7 @@ from gas_lab.lessons.exercises.lesson02 import (
     check_replicas,
     drifting_replicas,
 )
+from gas_lab.lessons.exercises.verdict import reset_tries
 
 SOL = load_solutions(2)
 
@@ -18,6 +26,9 @@ def test_bucket_rule():
     assert buckets([128, 32, 64, 8], 128) == [128, 104]
     assert buckets([128, 32, 64, 8], 100) == [128, 96, 8]
     assert buckets([128, 32, 64, 8], 40) == [128, 32, 64, 8]
+    # A tensor that fills the bucket exactly still fits; "<" for "<=" closes it one too early.
+    assert buckets([128, 32, 64, 8], 160) == [160, 72]
+    assert buckets([128, 32, 64, 8], 160, exact_fit=False) == [128, 104]
 
 
 @pytest.mark.ranks
@@ -56,6 +67,27 @@ def _sum(grads, bucket_bytes):
         dist.all_reduce(g)
 
 
+def _closes_exact_fit(grads, bucket_bytes):
+    import torch
+    import torch.distributed as dist
+
+    groups, size = [], 0
+    for g in grads:
+        nbytes = g.numel() * g.element_size()
+        if groups and size + nbytes < bucket_bytes:  # the slip: < where the rule allows ==
+            groups[-1].append(g)
+            size += nbytes
+        else:
+            groups.append([g])
+            size = nbytes
+    for group in groups:
+        flat = torch.cat([g.reshape(-1) for g in group])
+        dist.all_reduce(flat)
+        flat /= dist.get_world_size()
+        for g, piece in zip(group, flat.split([g.numel() for g in group]), strict=True):
+            g.copy_(piece.view_as(g))
+
+
 def _always_one_bucket(grads, bucket_bytes):
     import torch.distributed as dist
 
@@ -75,14 +107,28 @@ def test_bucket_mistakes_are_named(cluster):
     assert_failed(
         first_try(check_bucketed_average, _no_copy_back, cluster),
         "one bucket holds everything",
-        "copy",
+        "unchanged",
     )
-    assert_failed(
-        first_try(check_bucketed_average, _sum, cluster), "one bucket holds everything", "2x"
+    verdict = first_try(check_bucketed_average, _sum, cluster)
+    assert_failed(verdict, "one bucket holds everything", "2x the average")
+    assert "divide" not in str(verdict)  # what differs on a first try, not the fix ...
+    reset_tries()
+    assert_hint_on_second_try(  # ... which a second wrong try gives
+        lambda: check_bucketed_average(_sum, cluster), "divide the sum by the world size"
     )
     verdict = first_try(check_bucketed_average, _always_one_bucket, cluster)
     assert_failed(verdict, "128-byte buckets", "a bucket of 232 bytes is larger")
     assert verdict.cases_passed == 1
+    assert "Look again at: *Averaging gradients, inline*" in str(verdict)
+
+
+@pytest.mark.ranks
+def test_a_bucket_that_fits_exactly_is_not_closed_early(cluster):
+    verdict = first_try(check_bucketed_average, _closes_exact_fit, cluster)
+    assert_failed(verdict, "160-byte buckets", "[128, 104]", "[160, 72]")
+    assert verdict.cases_passed == 2  # every other bucket size never fills a bucket exactly
+    reset_tries()
+    assert_hint_on_second_try(lambda: check_bucketed_average(_closes_exact_fit, cluster), "LARGER")
 
 
 # ---------------------------------------------------------------- exercise 2
@@ -122,12 +168,16 @@ def _reduce_per_parameter(steps, n, lr=0.1):
 
 @pytest.mark.ranks
 def test_the_given_loop_is_measured_and_explained(cluster):
+    verdict = check_replicas(drifting_replicas, cluster)
     assert_failed(
-        check_replicas(drifting_replicas, cluster),
+        verdict,
         "1 step(s) of 2 micro-batches",
         "apart after 1 steps",
         "exactly as far as their weights were before the first step",
     )
+    assert "broadcast" not in str(verdict)
+    reset_tries()
+    assert_hint_on_second_try(lambda: check_replicas(drifting_replicas, cluster), "START equal")
 
 
 @pytest.mark.ranks

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from gas_lab.dp import all_reduce_mean
 from gas_lab.lessons.exercises.on_ranks import run_on_ranks
-from gas_lab.lessons.exercises.verdict import Verdict, check_cases
+from gas_lab.lessons.exercises.verdict import Miss, Verdict, check_cases
 from gas_lab.lessons.exercises.verdict import hint as hint  # lessonNN.hint()
 from gas_lab.measure.parity import reference_params
 from gas_lab.toys import flat_params, micro_batch, tiny_model
@@ -28,12 +28,15 @@ TOL = 1e-6  # float32 noise on these tiny models is ~1e-8
 
 
 # ---------------------------------------------------------------- exercise 1: buckets
-def buckets(sizes: list[int], bucket_bytes: int) -> list[int]:
+def buckets(sizes: list[int], bucket_bytes: int, exact_fit: bool = True) -> list[int]:
     """Bytes of each bucket by the exercise's rule: walk the tensors in order and start a new
-    bucket when the next one would overflow this one (a tensor bigger than the cap goes alone)."""
+    bucket when the next one would overflow this one (a tensor bigger than the cap goes alone).
+    ``exact_fit=False`` is the common slip: a tensor that fills the bucket exactly opens a new
+    one (``<`` for ``<=``)."""
     out: list[int] = []
     for size in sizes:
-        if out and out[-1] + size <= bucket_bytes:
+        total = out[-1] + size if out else None
+        if total is not None and (total <= bucket_bytes if exact_fit else total < bucket_bytes):
             out[-1] += size
         else:
             out.append(size)
@@ -70,7 +73,7 @@ def check_bucketed_average(fn: Callable, cluster) -> Verdict:
         local = [_local_grads(shapes, r) for r in range(world)]
         mean = [sum(ts) / world for ts in zip(*local, strict=True)]
 
-        def problem(per_rank) -> str | None:
+        def problem(per_rank) -> Miss | None:
             for rank, r in enumerate(per_rank):
                 err = max((g - m).abs().max().item() for g, m in zip(r["grads"], mean, strict=True))
                 if err <= TOL:
@@ -83,43 +86,55 @@ def check_bucketed_average(fn: Callable, cluster) -> Verdict:
                     for g, m in zip(r["grads"], mean, strict=True)
                 )
                 if own <= TOL:
-                    return (
-                        f"rank {rank}'s gradients are unchanged: a bucket is a NEW tensor "
-                        "(torch.cat copies); copy the averaged bucket back into the gradients."
+                    return Miss(
+                        f"rank {rank}'s gradients are unchanged: its own, not the average over "
+                        "ranks.",
+                        "a bucket is a NEW tensor (torch.cat copies): copy the averaged bucket "
+                        "back into the gradients.",
                     )
                 if summed <= TOL:
-                    return (
-                        f"rank {rank} holds {world}x the average: divide the sum by the world size."
-                    )
-                return f"rank {rank}'s gradients are {err:.2g} away from the average over ranks."
+                    return Miss(f"rank {rank} holds {world}x the average over ranks.",
+                                "divide the sum by the world size.")  # fmt: skip
+                return Miss(f"rank {rank}'s gradients are {err:.2g} away from the average.")
             calls = per_rank[0]["calls"]
             got = [nbytes for kind, nbytes in calls if kind == "all_reduce"]
             if len(got) != len(calls):
                 other = sorted({kind for kind, _ in calls} - {"all_reduce"})
-                return f"right values, but the ranks also called {other}: all-reduce only."
+                return Miss(f"right values, but the ranks also called {other}.",
+                            "one dist.all_reduce per bucket, no other collective.")  # fmt: skip
             if got == want_calls:
                 return None
             rule = f"tensors of {sizes} bytes, bucket_bytes {bucket_bytes}"
             if got == sizes and len(want_calls) < len(sizes):
-                return (
+                return Miss(
                     f"right values, but one all-reduce per tensor ({len(got)} calls, {rule}); "
-                    f"buckets would need {len(want_calls)}: {want_calls} bytes."
+                    f"the rule gives {len(want_calls)}: {want_calls} bytes."
                 )
             too_big = [b for b in got if b > bucket_bytes and b not in sizes]
             if too_big:
-                return f"a bucket of {too_big[0]} bytes is larger than bucket_bytes ({rule})."
-            return f"all-reduces of {got} bytes; the rule gives {want_calls} ({rule})."
+                return Miss(f"a bucket of {too_big[0]} bytes is larger than bucket_bytes ({rule}).")
+            differs = f"all-reduces of {got} bytes; the rule gives {want_calls} ({rule})."
+            if got == buckets(sizes, bucket_bytes, exact_fit=False):
+                return Miss(
+                    differs,
+                    "a bucket may hold exactly bucket_bytes: open a new one only when the next "
+                    "tensor would make it LARGER (size + next <= bucket_bytes still fits).",
+                )
+            return Miss(differs)
 
         return problem
 
     caps = {"one bucket holds everything": 1 << 20, "128-byte buckets": 128}
-    caps |= {"100-byte buckets": 100, "40-byte buckets (smaller than some tensors)": 40}
+    caps |= {"160-byte buckets": 160, "100-byte buckets": 100}
+    caps |= {"40-byte buckets (smaller than some tensors)": 40}
     return check_cases(
         "bucketed all-reduce",
         [(name, case(cap), judge(cap)) for name, cap in caps.items()],
         "walk the gradients in order, adding each to the current bucket unless that makes it "
         "bigger than bucket_bytes; for each bucket: torch.cat the flattened tensors, one "
         "dist.all_reduce, divide by the world size, copy the pieces back.",
+        where="*Averaging gradients, inline* (one flat buffer, one all-reduce, / W), and the "
+        "exercise's bucket rule, word by word",
     )
 
 
@@ -170,7 +185,7 @@ def check_replicas(fn: Callable, cluster) -> Verdict:
         return lambda: run_on_ranks(cluster, _replica_case, fn, steps, n)
 
     def judge(steps: int, n: int):
-        def problem(per_rank) -> str | None:
+        def problem(per_rank) -> Miss | None:
             params = [r["params"] for r in per_rank]
             spread = max((p - params[0]).abs().max().item() for p in params)
             start = max(
@@ -178,24 +193,33 @@ def check_replicas(fn: Callable, cluster) -> Verdict:
                 for r in range(world)
             ).item()
             if spread > TOL:
-                same = abs(spread - start) < 1e-5
-                why = (
-                    f", exactly as far as their weights were before the first step ({start:.4f}): "
-                    "they applied identical updates to different starting weights"
-                    if same
-                    else ""
-                )
-                return f"the ranks end {spread:.4f} apart after {steps} steps{why}."
+                if abs(spread - start) < 1e-5:
+                    return Miss(
+                        f"the ranks end {spread:.4f} apart after {steps} steps, exactly as far as "
+                        f"their weights were before the first step ({start:.4f}).",
+                        "identical updates applied to different starting weights: averaged "
+                        "gradients keep replicas equal only if they START equal. Give every rank "
+                        "rank 0's weights after building the model (gas_lab.dp.broadcast_parameters"
+                        "), as DDP does.",
+                    )
+                return Miss(f"the ranks end {spread:.4f} apart after {steps} steps.")
             ref = reference_params(_sgd_config(n), steps, world_size=world, seed=SEED)
             err = (params[0] - ref).abs().max().item()
             if err > TOL:
-                return (
+                return Miss(
                     f"the ranks agree, but are {err:.2g} from the reference, which starts from "
-                    "rank 0's initial weights and takes every rank's micro-batches in each step."
+                    "rank 0's initial weights and takes every rank's micro-batches in each step.",
+                    "every rank must start from rank 0's weights: broadcast them "
+                    "(gas_lab.dp.broadcast_parameters) rather than seeding every rank alike.",
                 )
             reduces = per_rank[0]["calls"].get("all_reduce", {}).get("calls", 0)
             if reduces != steps:
-                return f"right parameters, but {reduces} all-reduces in {steps} steps instead of {steps}."
+                return Miss(
+                    f"right parameters, but {reduces} all-reduces in {steps} steps instead of "
+                    f"{steps}.",
+                    "reduce all the gradients in ONE call per step (all_reduce_mean of the list "
+                    "of .grad tensors).",
+                )
             return None
 
         return problem
@@ -209,4 +233,6 @@ def check_replicas(fn: Callable, cluster) -> Verdict:
         "averaged gradients keep replicas equal only if they START equal: compare the ranks' "
         "weights right after the model is built, before the first step; DDP makes every rank "
         "start from rank 0's weights.",
+        where="*Accumulation on top: naive vs `no_sync`*: what the wrappers do before the "
+        "first step",
     )
