@@ -29,12 +29,8 @@ PLACEMENTS = ("forward_and_backward", "backward_only", "none")
 
 
 def ddp_train(placement: str, n: int, steps: int, lr: float = 0.1, seed: int = 0) -> dict:
-    """Train ``tiny_model`` with torch's DDP, ``n`` micro-batches per step, SGD, recorded.
-
-    ``placement`` (one of :data:`PLACEMENTS`) says what ``no_sync()`` wraps for the first
-    ``n - 1`` micro-batches. Returns this rank's flat parameters, the loop's all-reduces (calls,
-    bytes) and its timeline ``events`` (:func:`gas_lab.measure.timeline.record_loop`).
-    """
+    """Train ``tiny_model`` with torch's DDP, ``n`` micro-batches per step, ``no_sync()``
+    around what ``placement`` says; return the parameters, all-reduces and timeline events."""
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
     from torch.nn.parallel import DistributedDataParallel as DDP
 
