@@ -5,7 +5,8 @@ data of :mod:`gas_lab.toys`, so any process can rebuild what every rank saw. The
 such a loop should reach is :func:`gas_lab.measure.parity.reference_params`.
 
 * :func:`ddp_train`: ``torch.nn.parallel.DistributedDataParallel`` with ``no_sync()`` wrapped
-  around the forward and backward, around the backward only, or not used, counted and timed.
+  around the forward and backward, around the backward only, or not used (:func:`ddp_steps`),
+  counted and timed.
 * :func:`equal_n_train` (lesson 09): unmanaged accumulation where ranks have different numbers
   of micro-batches, made safe for ZeRO-2/3: every rank runs as many ``backward()`` calls as the
   busiest one, the extra ones with weight 0.
@@ -29,14 +30,13 @@ PLACEMENTS = ("forward_and_backward", "backward_only", "none")
 
 
 def ddp_train(placement: str, n: int, steps: int, lr: float = 0.1, seed: int = 0) -> dict:
-    """Train ``tiny_model`` with torch's DDP, ``n`` micro-batches per step, ``no_sync()``
-    around what ``placement`` says; return the parameters, all-reduces and timeline events."""
+    """Train ``tiny_model`` with torch's DDP and SGD, :func:`ddp_steps` recorded; return this
+    rank's parameters, the loop's all-reduces (calls, bytes) and its timeline ``events``."""
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     if placement not in PLACEMENTS:
         raise ValueError(f"placement {placement!r}: choose from {PLACEMENTS}")
-    rank = dist.get_rank()
     model = tiny_model(seed)
     ddp = DDP(model)
     # DDP all-reduces from C++, out of a recorder's sight; its stock hook (divide by the world
@@ -44,18 +44,7 @@ def ddp_train(placement: str, n: int, steps: int, lr: float = 0.1, seed: int = 0
     ddp.register_comm_hook(None, allreduce_hook)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=lr)
     with record_loop(ddp, optimizer) as events:
-        for step in range(steps):
-            for m in range(n):
-                x, y = micro_batch(seed, step, m, rank, 2)
-                skip = m < n - 1 and placement != "none"  # the last one always syncs
-                wrap_all = skip and placement == "forward_and_backward"
-                wrap_backward = skip and placement == "backward_only"
-                with ddp.no_sync() if wrap_all else contextlib.nullcontext():
-                    loss = torch.nn.functional.mse_loss(ddp(x), y) / n
-                    with ddp.no_sync() if wrap_backward else contextlib.nullcontext():
-                        loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+        ddp_steps(ddp, optimizer, placement, n, steps, seed)
     reduces = [e for e in collectives(events) if e.kind == "all_reduce"]
     return {
         "params": flat_params(model),
@@ -63,6 +52,24 @@ def ddp_train(placement: str, n: int, steps: int, lr: float = 0.1, seed: int = 0
         "bytes": sum(e.bytes for e in reduces),
         "events": events,
     }
+
+
+def ddp_steps(ddp, optimizer, placement: str, n: int, steps: int, seed: int = 0) -> None:
+    """``steps`` optimizer steps of ``n`` micro-batches each; ``no_sync()`` wraps what
+    ``placement`` says for all but the last micro-batch of a step."""
+    rank = dist.get_rank()
+    for step in range(steps):
+        for m in range(n):
+            x, y = micro_batch(seed, step, m, rank, 2)  # rank's own m-th micro-batch
+            skip = m < n - 1 and placement != "none"  # the last one always syncs
+            wrap_all = skip and placement == "forward_and_backward"
+            wrap_backward = skip and placement == "backward_only"
+            with ddp.no_sync() if wrap_all else contextlib.nullcontext():
+                loss = torch.nn.functional.mse_loss(ddp(x), y) / n
+                with ddp.no_sync() if wrap_backward else contextlib.nullcontext():
+                    loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
 
 
 def mean_weight(real: bool, n: int, total: int, world: int) -> float:
