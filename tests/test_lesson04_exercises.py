@@ -32,7 +32,7 @@ def test_solutions_pass_and_stubs_are_todo(cluster, check, solution):
 
 
 # ---------------------------------------------------------------- exercise 1
-def _lessons_divisor(losses):  # lesson 04's fixed_divisor: right for micro-batches, not samples
+def _lessons_divisor(losses):  # lesson 04's global_n: right for micro-batches, not samples
     import torch.distributed as dist
 
     from gas_lab.dp import global_count
