@@ -1,9 +1,17 @@
 """Lesson 03 checkers: solutions pass, untouched stubs are 'todo', typical mistakes are named."""
 
 import pytest
-from exercise_support import assert_failed, assert_todo, load_solutions, todo
+from exercise_support import (
+    assert_failed,
+    assert_hint_on_second_try,
+    assert_todo,
+    first_try,
+    load_solutions,
+    todo,
+)
 
 from gas_lab.lessons.exercises.lesson03 import SCRIPTS, check_counter_predictions, check_epochs
+from gas_lab.lessons.exercises.verdict import reset_tries
 
 SOL = load_solutions(3)
 
@@ -56,18 +64,21 @@ def _scaled_by_gas(engine, epochs, loss_fn):
 
 
 @pytest.mark.parametrize(
-    ("wrong", "words"),
+    ("wrong", "differs", "fix"),
     [
-        (_symmetric, ["[3, 6, 9, 12]", "waited for the next epoch"]),
-        (_override_for_the_remainder, ["every call updates", "sticky"]),
-        (_reset_after_the_remainder, ["The first epoch is right", "shifted"]),
-        (_scaled_by_gas, ["right micro-batches", "1/N", "scale_wrt_gas=False"]),
+        (_symmetric, ["[3, 6, 9, 12]", "multiple of GAS"], ["waited for the next epoch"]),
+        (_override_for_the_remainder, ["every call updates"], ["sticky", "None"]),
+        (_reset_after_the_remainder, ["The first epoch is right", "shifted"], ["micro_steps"]),
+        (_scaled_by_gas, ["right micro-batches"], ["1/N", "scale_wrt_gas=False"]),
     ],
 )
-def test_epoch_mistakes_are_named(wrong, words):
-    verdict = check_epochs(wrong)
-    assert_failed(verdict, "epochs of 7 and 5 micro-batches", *words)
+def test_epoch_mistakes_say_what_differs_then_the_fix(wrong, differs, fix):
+    verdict = first_try(check_epochs, wrong)
+    assert_failed(verdict, "epochs of 7 and 5 micro-batches", *differs)
+    assert "Look again at: *The manual override" in str(verdict)
     assert verdict.cases_passed == 1  # without a remainder every one of them is right
+    reset_tries()
+    assert_hint_on_second_try(lambda: check_epochs(wrong), *fix)
 
 
 # ---------------------------------------------------------------- exercise 1 (DeepSpeed, ranks)
@@ -80,17 +91,25 @@ def test_predictions_solution_passes_and_stub_is_todo(cluster):
 
 @pytest.mark.ranks
 @pytest.mark.parametrize(
-    ("letter", "wrong", "words"),
+    ("letter", "wrong", "differs", "fix"),
     [
-        ("A", (10, 2, 16), ["world size is missing", "16"]),
-        ("D", (5, 0, 0), ["counts step() calls, not backward()"]),
-        ("C", (8, 1, 32), ["DeepSpeed measured (8, 1, 16)", "train_batch_size = 16"]),
-        ("B", (8, 1, 16), ["None hands the boundary back"]),
+        ("A", (10, 2, 16), ["global_samples (16)", "micro_steps and global_steps are right"],
+         ["world size is missing"]),
+        ("D", (5, 0, 0), ["micro_steps (5)"], ["counts step() calls, not backward()"]),
+        ("C", (8, 1, 32), ["global_samples (32)"], ["train_batch_size = 16"]),
+        ("B", (8, 1, 16), ["global_steps (1) and global_samples (16)"],
+         ["None hands the boundary back"]),
     ],
-)
-def test_wrong_predictions_are_explained(cluster, letter, wrong, words):
+)  # fmt: skip
+def test_wrong_predictions_say_what_differs_then_why(cluster, letter, wrong, differs, fix):
     answers = {**SOL.counter_predictions(), letter: wrong}
-    assert_failed(check_counter_predictions(lambda: answers, cluster), f"script {letter}", *words)
+    verdict = first_try(check_counter_predictions, lambda: answers, cluster)
+    assert_failed(verdict, f"script {letter}", *differs)
+    measured = SOL.counter_predictions()[letter]
+    assert str(measured) not in str(verdict), "the first try must not give the answer"
+    assert "Look again at: the counters table" in str(verdict)
+    reset_tries()
+    assert_hint_on_second_try(lambda: check_counter_predictions(lambda: answers, cluster), *fix)
 
 
 @pytest.mark.ranks

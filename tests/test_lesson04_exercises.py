@@ -1,13 +1,21 @@
 """Lesson 04 checkers: solutions pass, untouched stubs are 'todo', typical mistakes are named."""
 
 import pytest
-from exercise_support import assert_failed, assert_todo, load_solutions, todo
+from exercise_support import (
+    assert_failed,
+    assert_hint_on_second_try,
+    assert_todo,
+    first_try,
+    load_solutions,
+    todo,
+)
 
 from gas_lab.lessons.exercises.lesson04 import (
     check_rpc_step,
     check_sample_weights,
     hanging_step,
 )
+from gas_lab.lessons.exercises.verdict import reset_tries
 
 SOL = load_solutions(4)
 pytestmark = pytest.mark.ranks
@@ -24,7 +32,7 @@ def test_solutions_pass_and_stubs_are_todo(cluster, check, solution):
 
 
 # ---------------------------------------------------------------- exercise 1
-def _lessons_divisor(losses):  # lesson 04's fixed_divisor: right for micro-batches, not samples
+def _lessons_divisor(losses):  # lesson 04's global_n: right for micro-batches, not samples
     import torch.distributed as dist
 
     from gas_lab.dp import global_count
@@ -46,15 +54,21 @@ def _no_world_size(losses):
 
 
 @pytest.mark.parametrize(
-    ("wrong", "case", "words"),
+    ("wrong", "case", "differs", "fix"),
     [
-        (_lessons_divisor, "a ragged last micro-batch", ["every MICRO-BATCH weighs the same"]),
-        (_own_samples, "a ragged last micro-batch", ["every", "RANK weighs the same"]),
-        (_no_world_size, "equal micro-batches, same count on every rank", ["2x too small"]),
+        (_lessons_divisor, "a ragged last micro-batch", ["every MICRO-BATCH the same"],
+         ["count this rank's samples"]),
+        (_own_samples, "a ragged last micro-batch", ["every RANK the same"], ["global_count()"]),
+        (_no_world_size, "equal micro-batches, same count on every rank", ["2x too small"],
+         ["divides by the world size"]),
     ],
-)
-def test_sample_weight_mistakes_are_named(cluster, wrong, case, words):
-    assert_failed(check_sample_weights(wrong, cluster), case, *words)
+)  # fmt: skip
+def test_sample_weight_mistakes_say_what_differs_then_the_fix(cluster, wrong, case, differs, fix):
+    verdict = first_try(check_sample_weights, wrong, cluster)
+    assert_failed(verdict, case, *differs)
+    assert "Look again at: *Pitfall 2" in str(verdict)
+    reset_tries()
+    assert_hint_on_second_try(lambda: check_sample_weights(wrong, cluster), *fix)
 
 
 def test_wrong_number_of_losses_is_reported(cluster):
@@ -76,13 +90,15 @@ def _count_moved_but_step_skipped(engine, micro_batches, loss_fn):
 
 
 def test_the_given_handler_fails_fast_on_its_count(cluster):
-    verdict = check_rpc_step(hanging_step, cluster)
+    verdict = first_try(check_rpc_step, hanging_step, cluster)
     assert_failed(verdict, "same N on every rank", "all-reduced the count 2 times in step 0")
     assert verdict.cases_passed == 0
+    assert "count once per step, before the loop" in verdict.hint()
 
 
 def test_a_rank_skipping_step_hangs_and_is_explained(cluster):
-    verdict = check_rpc_step(_count_moved_but_step_skipped, cluster)
-    assert_failed(verdict, "a rank with nothing to do", "the ranks hung", "same collectives")
+    verdict = first_try(check_rpc_step, _count_moved_but_step_skipped, cluster)
+    assert_failed(verdict, "a rank with nothing to do", "the ranks hung")
     assert verdict.cases_passed == 2
+    assert "same collectives" in verdict.hint() and "step() included" in verdict.hint()
     assert cluster.run(lambda: 1) == [1, 1]  # restarted and usable

@@ -18,7 +18,7 @@ import torch
 
 from gas_lab.deepspeed_compat.engine import initialize
 from gas_lab.lessons.exercises.on_ranks import measured_once
-from gas_lab.lessons.exercises.verdict import Verdict, answer_for, check_cases
+from gas_lab.lessons.exercises.verdict import Miss, Verdict, answer_for, check_cases
 from gas_lab.lessons.exercises.verdict import hint as hint  # lessonNN.hint()
 from gas_lab.measure.parity import reference_params
 from gas_lab.toys import flat_params, micro_batch, tiny_model
@@ -132,6 +132,9 @@ def measured_counters(letter: str, cluster) -> tuple[int, int, int]:
     )
 
 
+COUNTERS = ("micro_steps", "global_steps", "global_samples")
+
+
 def _prediction_case(fn: Callable, letter: str, cluster):
     script = SCRIPTS[letter]
 
@@ -139,29 +142,41 @@ def _prediction_case(fn: Callable, letter: str, cluster):
         got = answer_for(fn, letter, "{'A': (10, 2, 32), ...}")
         return got, measured_counters(letter, cluster)
 
-    def judge(result) -> str | None:
+    def judge(result) -> str | Miss | None:
         got, (micro, steps, samples) = result
         if not (isinstance(got, tuple | list) and len(got) == 3):
             return f"answer a tuple (micro_steps, global_steps, global_samples), got {got!r}."
         got = tuple(int(v) for v in got)
         if got == (micro, steps, samples):
             return None
-        said = f"you said {got}, DeepSpeed measured {(micro, steps, samples)}"
+        # What differs, never DeepSpeed's numbers: they are the answer.
+        wrong = [f"{name} ({g})" for name, g, m in zip(COUNTERS, got, (micro, steps, samples),
+                                                        strict=True) if g != m]  # fmt: skip
+        right = [name for name, g, m in zip(COUNTERS, got, (micro, steps, samples), strict=True)
+                 if g == m]  # fmt: skip
+        differs = (
+            f"you said {got}: your {' and '.join(wrong)} "
+            f"{'is' if len(wrong) == 1 else 'are'} not what DeepSpeed counted"
+            + (f"; {' and '.join(right)} {'is' if len(right) == 1 else 'are'} right." if right
+               else ".")
+        )  # fmt: skip
         backwards = script.ops.count("backward")
         train_batch = MICRO * script.gas * cluster.world_size
         if got[0] != micro and got[0] == backwards:
-            return f"{said}: micro_steps counts step() calls, not backward() calls."
+            return Miss(differs, "micro_steps counts step() calls, not backward() calls.")
         if got[:2] == (micro, steps) and got[2] == steps * MICRO * script.gas:
-            return (
-                f"{said}: global_samples grows by train_batch_size = micro x GAS x world = "
-                f"{train_batch} per update; the world size is missing."
+            return Miss(
+                differs,
+                f"global_samples grows by train_batch_size = micro x GAS x world = {train_batch} "
+                "per update; the world size is missing.",
             )
         if got[:2] == (micro, steps):
-            return (
-                f"{said}: managed, every update adds train_batch_size = {train_batch} samples, "
-                "however many micro-batches it really used."
+            return Miss(
+                differs,
+                f"managed, every update adds train_batch_size = {train_batch} samples, however "
+                "many micro-batches it really used.",
             )
-        return f"{said}: {script.why}"
+        return Miss(differs, script.why)
 
     return (f"script {letter}", run, judge)
 
@@ -175,6 +190,8 @@ def check_counter_predictions(fn: Callable[[], dict], cluster) -> Verdict:
         "micro_steps counts step() calls; a call is a boundary when the override says so, "
         "else when (micro_steps + 1) % GAS == 0 before it counts; each update adds "
         "micro x GAS x world to global_samples.",
+        where="the counters table (*The symmetric loop on 2 ranks, gas_lab and DeepSpeed*) and "
+        "*The manual override*",
     )
 
 
@@ -227,7 +244,7 @@ def _run_epochs(fn: Callable, epochs: list[int]) -> dict:
     return {"windows": windows, "updates": updates, "params": flat_params(engine.module)}
 
 
-def _judge_epochs(r: dict) -> str | None:
+def _judge_epochs(r: dict) -> str | Miss | None:
     windows, got = r["windows"], r["updates"]
     flat = [n for epoch in windows for n in epoch]
     want = [sum(flat[: i + 1]) for i in range(len(flat))]
@@ -235,38 +252,39 @@ def _judge_epochs(r: dict) -> str | None:
     if got != want:
         said = (
             f"updates after micro-batch {got} (counted over all epochs, {total} micro-batches); "
-            f"expected after {want}, windows {windows}"
+            f"expected after {want}, windows {windows}."
         )
         runs = [a for a, b, c in zip(got, got[1:], got[2:], strict=False) if c - b == b - a == 1]
         if runs:  # three micro-batches in a row each updated: windows of 1
-            return (
-                f"{said}. From micro-batch {runs[0]} on every call updates: "
-                "set_gradient_accumulation_boundary(True) is sticky; hand the boundary back "
-                "with None, or set it before every micro-batch."
+            return Miss(
+                f"{said} From micro-batch {runs[0]} on, every call updates.",
+                "set_gradient_accumulation_boundary(True) is sticky: hand the boundary back "
+                "with None, or set it before every micro-batch.",
             )
         if all(u % GAS == 0 for u in got):
-            return (
-                f"{said}. Only the counter decided: an epoch's remainder waited for the next "
-                "epoch's micro-batches to fill its window."
+            return Miss(
+                f"{said} Every update came after a multiple of GAS = {GAS} micro-batches.",
+                "only the counter decided: an epoch's remainder waited for the next epoch's "
+                "micro-batches to fill its window. Decide the remainder's boundary yourself.",
             )
         first_epoch = len(windows[0])
         if got[:first_epoch] == want[:first_epoch]:
-            return (
-                f"{said}. The first epoch is right; then the windows are shifted: the "
-                "remainder's step() calls moved micro_steps, so the counter's windows no longer "
-                "start where an epoch starts."
+            return Miss(
+                f"{said} The first epoch is right; the next ones are shifted.",
+                "the remainder's step() calls moved micro_steps, so the counter's windows no "
+                "longer start where an epoch starts: decide every window's boundary yourself.",
             )
-        return f"{said}."
+        return said
     ref = reference_params(sgd_config(GAS), len(flat), flat, world_size=1)
     err = (r["params"] - ref).abs().max().item()
     if err <= TOL:
         return None
     short = [n for n in flat if n != GAS]
-    return (
+    return Miss(
         f"the updates happen at the right micro-batches, but the parameters are {err:.2g} from "
-        f"the reference: each window's micro-batches must weigh 1/N for a window of N (the "
-        f"remainder windows have {short}); engine.backward() divides by GAS = {GAS} unless "
-        "scale_wrt_gas=False."
+        f"the reference (the remainder windows have {short} micro-batches).",
+        f"each window's micro-batches must weigh 1/N for a window of N; engine.backward() "
+        f"divides by GAS = {GAS} unless scale_wrt_gas=False.",
     )
 
 
@@ -285,4 +303,5 @@ def check_epochs(fn: Callable) -> Verdict:
         "the engine's counter only knows GAS-sized windows, and every step() call moves it. "
         "Decide every window's boundary yourself: set_gradient_accumulation_boundary(i == N - 1) "
         "before each backward, loss / N with scale_wrt_gas=False, one step() per window.",
+        where="*The manual override: `set_gradient_accumulation_boundary()`*",
     )

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from gas_lab.dp import global_count
 from gas_lab.lessons.exercises.on_ranks import run_on_ranks
-from gas_lab.lessons.exercises.verdict import Verdict, check_cases
+from gas_lab.lessons.exercises.verdict import Miss, Verdict, check_cases
 from gas_lab.lessons.exercises.verdict import hint as hint  # lessonNN.hint()
 from gas_lab.measure.parity import reference_params
 from gas_lab.runtime.rank_errors import RankError, RankStallError
@@ -82,7 +82,7 @@ def _per_sample_losses(engine, pairs) -> list[torch.Tensor]:
     ]
 
 
-def _lessons_divisor(losses):  # every micro-batch weighs the same (lesson 04's fixed_divisor)
+def _lessons_divisor(losses):  # every micro-batch weighs the same (lesson 04's global_n)
     divisor = global_count(len(losses)) / dist.get_world_size()
     return [x.mean() / divisor for x in losses]
 
@@ -150,31 +150,37 @@ def check_sample_weights(fn: Callable, cluster) -> Verdict:
 
         return run
 
-    def judge(result) -> str | None:
+    def judge(result) -> str | Miss | None:
         table, per_rank = result
         ref = _sample_reference(table)
         err = max(_max_diff(r["learner"], ref) for r in per_rank)
         if err <= TOL:
             return None
         sizes = "; ".join(f"rank {r}: {row}" for r, row in enumerate(table[0]))
+        differs = (
+            f"the parameters are {err:.2g} from the reference where every sample weighs the "
+            f"same (samples per micro-batch in step 0: {sizes})"
+        )
         same = {k for k in _WRONG if all(_max_diff(r["learner"], r[k]) <= TOL for r in per_rank)}
         if "lesson" in same:
-            return (
-                f"every MICRO-BATCH weighs the same (the lesson's global count of micro-batches), "
-                f"but they hold different numbers of samples ({sizes} in step 0); the "
-                f"parameters are {err:.2g} from the reference."
+            return Miss(
+                f"{differs}; yours weigh every MICRO-BATCH the same.",
+                "the micro-batches hold different numbers of samples: count this rank's "
+                "samples, not its micro-batches, and give each micro-batch its sum of losses.",
             )
         if "own samples" in same:
-            return (
-                f"each rank divided by its own samples, then DeepSpeed averaged the ranks: every "
-                f"RANK weighs the same ({sizes} in step 0); {err:.2g} from the reference."
+            return Miss(
+                f"{differs}; yours weigh every RANK the same.",
+                "each rank divided by its own samples, then DeepSpeed averaged the ranks: "
+                "global_count() the samples of every rank first.",
             )
         if "no world size" in same:
-            return (
-                f"the update is {world}x too small: DeepSpeed's all-reduce divides by the world "
-                f"size ({world}) too; divide by (all samples / world size)."
+            return Miss(
+                f"{differs}; your update is {world}x too small.",
+                f"DeepSpeed's all-reduce divides by the world size ({world}) too: divide by "
+                "(all samples / world size).",
             )
-        return f"the parameters are {err:.2g} from the every-sample-weighs-the-same reference."
+        return f"{differs}."
 
     tables = {
         "equal micro-batches, same count on every rank": [[[2, 2], [2, 2]], [[2, 2, 2], [2, 2, 2]]],
@@ -187,6 +193,7 @@ def check_sample_weights(fn: Callable, cluster) -> Verdict:
         "count this rank's SAMPLES, global_count() them (every rank, even one with no "
         "micro-batches), and give each micro-batch losses.sum() / (all samples / world size): "
         "DeepSpeed's step() then divides by the world size again.",
+        where="*Pitfall 2: ranks with different N* (`global_count`, `global_n`)",
     )
 
 
@@ -234,19 +241,20 @@ def check_rpc_step(fn: Callable, cluster) -> Verdict:
         table, per_rank = result
         ns = "; ".join(f"step {s}: {row}" for s, row in enumerate(table))
         if isinstance(per_rank, RankError | RankStallError):
-            return (
-                f"the ranks hung (N per rank: {ns}): {str(per_rank).splitlines()[0]} Every "
-                "rank must issue the same collectives, in the same order, whatever its N: "
-                "count which ones each rank issues."
+            return Miss(
+                f"the ranks hung (N per rank: {ns}): {str(per_rank).splitlines()[0]}",
+                "every rank must issue the same collectives, in the same order, whatever its N: "
+                "count which ones each rank issues, step() included.",
             )
         for step, calls in enumerate(per_rank[0]["all_reduces"]):
             counts = [b for b in calls if b == 8]  # global_count: one float64
             if len(counts) != 1:
                 n = table[step][0]
-                return (
-                    f"rank 0 all-reduced the count {len(counts)} times in step {step} (N = {n}): "
+                return Miss(
+                    f"rank 0 all-reduced the count {len(counts)} times in step {step} (N = {n}); "
+                    "expected once per step.",
                     "a rank with another N would issue another number of collectives and the "
-                    "ranks would stop pairing up; count once per step, before the loop."
+                    "ranks would stop pairing up: count once per step, before the loop.",
                 )
             if len(calls) != 2:
                 return f"{len(calls)} all-reduces in step {step}; expected 2 (the count, the gradient)."
@@ -267,4 +275,5 @@ def check_rpc_step(fn: Callable, cluster) -> Verdict:
         "a collective is a meeting every rank must attend: any all-reduce inside a loop over "
         "this rank's micro-batches, or behind an `if` on them, runs a different number of "
         "times on a rank with another N. step() all-reduces too.",
+        where="*Where the communication happens, per ZeRO stage* and the handler `serve`",
     )
