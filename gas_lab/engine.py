@@ -107,7 +107,8 @@ class Engine(torch.nn.Module):
 
     def after_backward(self) -> None:
         """The end of a backward pass. Managed, the boundary micro-batch reduces now (not
-        inside ``no_sync()``); unmanaged, no ``backward()`` is a boundary: gradients stay local."""
+        inside ``no_sync()``); unmanaged, no ``backward()`` is a boundary, so at stages 0 and 1
+        the gradients stay local until ``step()`` (ZeRO-2's strategy reduces here anyway)."""
         self.strategy.after_backward()  # ZeRO-2 reduces its last bucket (lesson 09)
         if self.is_gradient_accumulation_boundary() and not self.inside_no_sync_ctxt:
             self.strategy.reduce_gradients()
