@@ -183,3 +183,65 @@ def reference_gradient(n: int, dtype=torch.float32) -> torch.Tensor:
         total += torch.cat([p.grad.double().reshape(-1) for p in model.parameters()])
     dist.all_reduce(total)
     return total / dist.get_world_size()
+
+
+def _ratio(x: torch.Tensor, ref: torch.Tensor, world_size: int) -> float | None:
+    """1.0 if ``x`` holds exactly the elements of ``ref`` (in any order), ``1 / world_size`` if
+    it holds them divided by it, else None. Order-free: buckets reorder the elements."""
+    if x.numel() != ref.numel():
+        return None
+    x = x.double().sort().values
+    for ratio in (1.0, 1.0 / world_size):
+        if torch.equal(x, (ref.double() * ratio).sort().values):
+            return ratio
+    return None
+
+
+def division(lib: str, config: dict) -> dict:
+    """Where ``lib`` divides by the world size W under ``config`` (its ZeRO stage and keys):
+    one micro-batch, one ``step()``, clipping off, a recording SGD. Returns ``handed``: what
+    each rank hands its gradient all-reduces, as a fraction of its local gradient (1: the sum
+    comes first; 1/W: divided before); ``final``: the gradient the optimizer receives, as a
+    fraction of the sum over ranks (1/W: a mean; 1: the sum); ``where``: "before", "after"
+    or "none"; ``collectives``: the kinds that carried the gradient. Refusals come back as
+    ``{"refused": ...}``. Exact at W = 2 (halving is exact in fp32). Call on every rank."""
+    from gas_lab.measure.comm import count_collectives
+
+    config = {**config, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
+              "zero_allow_untested_optimizer": True, "train_micro_batch_size_per_gpu": 2}  # fmt: skip
+    config.pop("optimizer", None)  # the recording SGD is the client optimizer
+    model = tiny_model(0, **DIMS)
+    optimizer = RecordingSGD(model.parameters(), lr=0.0)
+    try:
+        engine, *_ = _quiet_initializer(lib)(model=model, optimizer=optimizer, config=config)
+    except Exception as err:  # which library refuses, and with what
+        return {"refused": f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"}
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x, y = micro_batch(0, 0, 0, rank, 2, DIMS["d_in"], DIMS["d_out"])
+    reference = tiny_model(0, **DIMS)  # the same weights, the same micro-batch, plain torch
+    torch.nn.functional.mse_loss(reference(x), y).backward()
+    local = torch.cat([p.grad.reshape(-1) for p in reference.parameters()])
+    summed = local.clone()
+    dist.all_reduce(summed)  # the sum over ranks (2 addends: exact in any order)
+    with count_collectives(keep_tensors=True) as log:
+        engine.backward(torch.nn.functional.mse_loss(engine(x), y))
+        engine.step()
+    # The gradient's collectives: the all-reduces and reduces of more than one element (the
+    # 4-byte gradient norm is one).
+    carried = [(c.kind, t) for c, t in zip(log.calls, log.tensors, strict=True)
+               if c.kind in ("all_reduce", "reduce") and t is not None and t[0].numel() > 1]  # fmt: skip
+    handed = torch.cat([t[0].reshape(-1) for _, t in carried]) if carried else local.new_zeros(0)
+    parts = [None] * world
+    dist.all_gather_object(parts, optimizer.seen)
+    seen = optimizer.seen if optimizer.seen.numel() >= local.numel() else torch.cat(parts)
+    final = seen[: local.numel()]
+    out = {"handed": _ratio(handed, local, world), "final": _ratio(final, summed, world),
+           "collectives": sorted({kind for kind, _ in carried})}  # fmt: skip
+    if out["handed"] == 1.0 / world:
+        out["where"] = "before"
+    elif out["handed"] == 1.0:
+        out["where"] = {1.0 / world: "after", 1.0: "none"}.get(out["final"])
+    else:
+        out["where"] = None
+    engine.destroy()
+    return out
