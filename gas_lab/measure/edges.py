@@ -11,6 +11,8 @@ call the same functions, so the numbers the lesson prints are the ones the tests
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 
@@ -78,6 +80,15 @@ def build(lib: str, config: dict, seed: int = 0, **kw):
     return init(model=model, model_parameters=model.parameters(), config=config, **kw)
 
 
+LIBS = ("gas_lab", "deepspeed")
+
+
+def both(measure, *args, **kwargs) -> dict:
+    """``{lib: measure(lib, *args, **kwargs)}`` for gas_lab and DeepSpeed, in that order (the
+    same order on every rank): one measurement, run on each engine."""
+    return {lib: measure(lib, *args, **kwargs) for lib in LIBS}
+
+
 def lr_trace(lib: str, config: dict, micro_batches: list[int], lr_kwargs=None) -> dict:
     """The lr and counters after every ``step()`` of a loop, and the lr before the first."""
     engine, *_ = build(lib, config)
@@ -120,6 +131,39 @@ def save_points(managed: bool, micro_batches: list[int], window: int, after: int
     start = evs.index(("backward", window, 0))
     mid = evs.index(("backward", window, after - 1)) + 1
     return {"boundary": start, "mid": mid, "window_start": start}
+
+
+PLANS = ("boundary", "mid, continue", "mid, redo the window")
+
+
+def resume_plans(lib: str, config: dict, micro_batches: list[int], window: int, after: int,
+                 root: str) -> dict:  # fmt: skip
+    """:func:`resume` for the three plans of lesson 08, saving in ``window``: ``boundary``
+    (save right after the previous window's update, continue from there), ``mid, continue``
+    (save after ``after`` backward() calls of the window, continue with the next one) and
+    ``mid, redo the window`` (the same save, restart the window from its first micro-batch).
+    Checkpoints go to ``root/<lib>-<managed>-<plan>``. Call on every rank."""
+    managed = config.get("managed_gradient_accumulation", True)
+    at = save_points(managed, micro_batches, window, after)
+    plans = {"boundary": (at["boundary"], at["boundary"]), "mid, continue": (at["mid"], at["mid"]),
+             "mid, redo the window": (at["mid"], at["window_start"])}  # fmt: skip
+    return {plan: resume(lib, config, micro_batches, save, restart,
+                         os.path.join(root, f"{lib}-{managed}-{plan}"))
+            for plan, (save, restart) in plans.items()}  # fmt: skip
+
+
+def resume_rows(rows: dict) -> list[dict]:
+    """Lesson 08's table of :func:`resume_plans` results, ``rows[managed]`` for each mode:
+    one row per mode and plan, DeepSpeed's numbers (the lesson asserts gas_lab's equal)."""
+
+    def counts(d):
+        return f"{d['global_steps']}, {d['global_samples']}, {d['micro_steps']}"
+
+    return [{"mode": "managed" if managed else "unmanaged", "plan": plan,
+             "|Δ| vs uninterrupted": f"{r['diff_vs_uninterrupted']:.2e}",
+             "after load (steps, samples, micro_steps)": counts(r["after_load"]),
+             "final": counts(r["final"]), "uninterrupted": counts(r["reference"])}
+            for managed, by_lib in rows.items() for plan, r in by_lib["deepspeed"].items()]  # fmt: skip
 
 
 class RecordingSGD(torch.optim.SGD):
@@ -197,18 +241,23 @@ def _ratio(x: torch.Tensor, ref: torch.Tensor, world_size: int) -> float | None:
     return None
 
 
-def division(lib: str, config: dict) -> dict:
+def division(lib: str, config: dict, stage: int | None = None) -> dict:
     """Where ``lib`` divides by the world size W under ``config`` (its ZeRO stage and keys):
     one micro-batch, one ``step()``, clipping off, a recording SGD. Returns ``handed``: what
     each rank hands its gradient all-reduces, as a fraction of its local gradient (1: the sum
     comes first; 1/W: divided before); ``final``: the gradient the optimizer receives, as a
     fraction of the sum over ranks (1/W: a mean; 1: the sum); ``where``: "before", "after"
     or "none"; ``collectives``: the kinds that carried the gradient. Refusals come back as
-    ``{"refused": ...}``. Exact at W = 2 (halving is exact in fp32). Call on every rank."""
+    ``{"refused": ...}``. Exact at W = 2 (halving is exact in fp32). ``stage``: set
+    ``zero_optimization.stage`` (the config's other ZeRO keys kept). Call on every rank."""
     from gas_lab.measure.comm import count_collectives
 
-    config = {**config, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
-              "zero_allow_untested_optimizer": True, "train_micro_batch_size_per_gpu": 2}  # fmt: skip
+    if stage is not None:
+        config = {**config, "zero_optimization": {**config.get("zero_optimization", {}),
+                                                  "stage": stage}}  # fmt: skip
+    config = {"steps_per_print": 10**9, **config, "gradient_accumulation_steps": 1,
+              "gradient_clipping": 0.0, "zero_allow_untested_optimizer": True,
+              "train_micro_batch_size_per_gpu": 2}  # fmt: skip
     config.pop("optimizer", None)  # the recording SGD is the client optimizer
     model = tiny_model(0, **DIMS)
     optimizer = RecordingSGD(model.parameters(), lr=0.0)
@@ -245,3 +294,63 @@ def division(lib: str, config: dict) -> dict:
         out["where"] = None
     engine.destroy()
     return out
+
+
+def micro_gradients(n: int, dtype=torch.bfloat16) -> list[torch.Tensor]:
+    """This rank's gradient of each of the ``n`` micro-batches of :func:`boundary_gradient`'s
+    loop, one flat tensor each, as a ``dtype`` model's backward writes it (``loss / n``: what
+    ``engine.backward`` hands autograd). Nothing added up yet: the inputs of appendix A2's
+    exercise. Call on every rank (or on one process: rank 0's)."""
+    model = tiny_model(0, **DIMS).to(dtype)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    out = []
+    for micro in range(n):
+        model.zero_grad(set_to_none=True)
+        x, y = micro_batch(0, 0, micro, rank, 2, DIMS["d_in"], DIMS["d_out"])
+        (torch.nn.functional.mse_loss(model(x.to(dtype)).float(), y) / n).backward()
+        out.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
+    return out
+
+
+def accumulation_buffer(config: dict) -> dict:
+    """DeepSpeed only: where its optimizer wrapper adds micro-batch gradients up, read after
+    the first ``backward()`` of a window: the wrapper, ZeRO's ``use_separate_grad_accum``
+    (None for a wrapper without it) and the dtype of the tensors that hold the running sum.
+    Call on every rank."""
+    model = tiny_model(0, **DIMS)
+    optimizer = RecordingSGD(model.parameters(), lr=0.0)
+    engine, wrapped, *_ = _quiet_initializer("deepspeed")(model=model, optimizer=optimizer,
+                                                          config=config)  # fmt: skip
+    x, y = micro_batch(0, 0, 0, dist.get_rank(), 2, DIMS["d_in"], DIMS["d_out"])
+    dtype = next(engine.module.parameters()).dtype
+    engine.backward(torch.nn.functional.mse_loss(engine(x.to(dtype)).float(), y))
+    # BF16_Optimizer: fp32 flat buffers; ZeRO-2 with a separate dtype: a flat partition per
+    # param group (this rank's share only); otherwise the parameters' own .grad.
+    held = list(getattr(wrapped, "fp32_groups_gradients_flat", []))
+    held += [g.flat_partition for g in getattr(wrapped, "averaged_gradients", {}).values()
+             if getattr(g, "flat_partition", None) is not None]  # fmt: skip
+    held = held or [p.grad for p in engine.module.parameters() if p.grad is not None]
+    out = {"wrapper": type(wrapped).__name__,
+           "use_separate_grad_accum": getattr(wrapped, "use_separate_grad_accum", None),
+           "buffer": sorted({str(t.dtype).removeprefix("torch.") for t in held}),
+           "buffer_numel": sum(t.numel() for t in held)}  # fmt: skip
+    engine.destroy()
+    return out
+
+
+SAYS = {"before": "divided, then summed", "after": "summed, then divided", "none": "summed only"}
+
+
+def division_rows(divided: dict, lib: str = "deepspeed") -> list[dict]:
+    """Lesson 08's table of :func:`division` results, ``divided[(key, stage)][lib]``: one row
+    per key, one column per stage, in words."""
+
+    def says(r):
+        if "refused" in r:
+            return "refused: " + r["refused"].split(":")[0]
+        return f"{SAYS[r['where']]} (hands over {r['handed']:g} x its gradient)"
+
+    stages = sorted({stage for _, stage in divided})
+    keys = list(dict.fromkeys(key for key, _ in divided))
+    return [{lib: key, **{f"stage {s}": says(divided[(key, s)][lib]) for s in stages}}
+            for key in keys]  # fmt: skip
