@@ -296,13 +296,14 @@ def division(lib: str, config: dict, stage: int | None = None) -> dict:
     return out
 
 
-def micro_gradients(n: int, dtype=torch.bfloat16) -> list[torch.Tensor]:
-    """This rank's gradient of each of the ``n`` micro-batches of :func:`boundary_gradient`'s
-    loop, one flat tensor each, as a ``dtype`` model's backward writes it (``loss / n``: what
-    ``engine.backward`` hands autograd). Nothing added up yet: the inputs of appendix A2's
-    exercise. Call on every rank (or on one process: rank 0's)."""
+def micro_gradients(n: int, dtype=torch.bfloat16, rank: int | None = None) -> list[torch.Tensor]:
+    """Rank ``rank``'s gradient of each of the ``n`` micro-batches of
+    :func:`boundary_gradient`'s loop, one flat tensor each, as a ``dtype`` model's backward
+    writes it (``loss / n``: what ``engine.backward`` hands autograd). Nothing added up yet:
+    the inputs of appendix A2's exercise. ``rank`` None: this rank's (0 without ranks)."""
     model = tiny_model(0, **DIMS).to(dtype)
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    if rank is None:
+        rank = dist.get_rank() if dist.is_initialized() else 0
     out = []
     for micro in range(n):
         model.zero_grad(set_to_none=True)
@@ -315,8 +316,9 @@ def micro_gradients(n: int, dtype=torch.bfloat16) -> list[torch.Tensor]:
 def accumulation_buffer(config: dict) -> dict:
     """DeepSpeed only: where its optimizer wrapper adds micro-batch gradients up, read after
     the first ``backward()`` of a window: the wrapper, ZeRO's ``use_separate_grad_accum``
-    (None for a wrapper without it) and the dtype of the tensors that hold the running sum.
-    Call on every rank."""
+    (None for a wrapper without it), ``gradient_accumulation_dtype`` as ZeRO declares it, and
+    the dtypes and size of the tensors found holding the running sum (``buffer`` None: none
+    in the places looked at). Call on every rank."""
     model = tiny_model(0, **DIMS)
     optimizer = RecordingSGD(model.parameters(), lr=0.0)
     engine, wrapped, *_ = _quiet_initializer("deepspeed")(model=model, optimizer=optimizer,
@@ -329,10 +331,14 @@ def accumulation_buffer(config: dict) -> dict:
     held = list(getattr(wrapped, "fp32_groups_gradients_flat", []))
     held += [g.flat_partition for g in getattr(wrapped, "averaged_gradients", {}).values()
              if getattr(g, "flat_partition", None) is not None]  # fmt: skip
+    if getattr(wrapped, "grads_in_partition", None) is not None:  # ZeRO-2, the model's dtype
+        held.append(wrapped.grads_in_partition)
     held = held or [p.grad for p in engine.module.parameters() if p.grad is not None]
+    declared = getattr(wrapped, "gradient_accumulation_dtype", None)
     out = {"wrapper": type(wrapped).__name__,
            "use_separate_grad_accum": getattr(wrapped, "use_separate_grad_accum", None),
-           "buffer": sorted({str(t.dtype).removeprefix("torch.") for t in held}),
+           "gradient_accumulation_dtype": str(declared).removeprefix("torch.") if declared else None,
+           "buffer": sorted({str(t.dtype).removeprefix("torch.") for t in held}) or None,
            "buffer_numel": sum(t.numel() for t in held)}  # fmt: skip
     engine.destroy()
     return out
