@@ -1,7 +1,7 @@
 """Lesson 08's APIs, gas_lab against DeepSpeed 0.19.8 on 2 ranks (ZeRO stage 0 and 1, managed
-and unmanaged): LR schedules, checkpoints resumed at a boundary and mid-window,
-``"gradient_allreduce_op": "sum"``, bf16 with each accumulation dtype, and what ``initialize``
-returns. Both libraries run the same functions of gas_lab.measure.edges."""
+and unmanaged): LR schedules, checkpoints resumed at a boundary and mid-window, and where the
+mean divides by the world size, per ZeRO stage (0 to 2) and key. Both libraries run the same
+functions of gas_lab.measure.edges."""
 
 import itertools
 import math

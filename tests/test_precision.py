@@ -1,7 +1,8 @@
-"""Lesson 08 on 2 ranks against DeepSpeed 0.19.8: ``"gradient_allreduce_op": "sum"``, bf16 with
-each ``data_types.grad_accum_dtype`` (accepted, refused or routed as DeepSpeed, and the same
-gradients and weights where both run), ``communication_data_type``, and the four values of
-``initialize`` with its ``training_data`` loader."""
+"""Lesson 08 and appendix A2 on 2 ranks against DeepSpeed 0.19.8: ``"gradient_allreduce_op":
+"sum"``, bf16 with each ``data_types.grad_accum_dtype`` (accepted, refused or routed as
+DeepSpeed, and the same gradients and weights where both run; at ZeRO-2, DeepSpeed's separate
+fp32 buffer, which gas_lab refuses as out of scope), ``communication_data_type``, and the four
+values of ``initialize`` with its ``training_data`` loader."""
 
 import itertools
 import os

@@ -1,12 +1,15 @@
-"""The measurements behind lesson 08, run on a rank with either library (``"gas_lab"`` or
-``"deepspeed"``): the learning rate at every ``step()``, a checkpoint resumed at a boundary or
-mid-window, and the gradient the optimizer receives under each precision.
+"""The measurements behind lesson 08 and appendix A2, run on a rank with either library
+(``"gas_lab"`` or ``"deepspeed"``; :func:`both` runs one on each): the learning rate at every
+``step()``, a checkpoint resumed at a boundary or mid-window, where the mean divides by the
+world size (:func:`division`: before the all-reduce or after it), and the gradient the
+optimizer receives under each precision (A2).
 
 A training loop is written as a list of *events*, ``("backward", step, micro)`` and
 ``("step", step)``, so that a run can stop after any event, save, and continue in a fresh
 engine from any other event. Managed, a ``step()`` follows every ``backward()``; unmanaged, one
-``step()`` follows the last ``backward()`` of a window. The lesson and ``tests/test_edges.py``
-call the same functions, so the numbers the lesson prints are the ones the tests check.
+``step()`` follows the last ``backward()`` of a window. The notebooks and ``tests/test_edges.py``
+/ ``tests/test_precision.py`` call the same functions, so the numbers the notebooks print are
+the ones the tests check.
 """
 
 from __future__ import annotations
@@ -358,5 +361,5 @@ def division_rows(divided: dict, lib: str = "deepspeed") -> list[dict]:
 
     stages = sorted({stage for _, stage in divided})
     keys = list(dict.fromkeys(key for key, _ in divided))
-    return [{lib: key, **{f"stage {s}": says(divided[(key, s)][lib]) for s in stages}}
+    return [{"config": key, **{f"stage {s}": says(divided[(key, s)][lib]) for s in stages}}
             for key in keys]  # fmt: skip
