@@ -20,19 +20,21 @@ def resume_position(global_steps, micro_batches_per_step):
     return sum(micro_batches_per_step[:global_steps])
 
 
-def token_clock(tokens_so_far, tokens_per_update):
-    """Exercise 3: lr_kwargs for engine.step() so that WarmupLR counts tokens."""
-    # After its k-th update DeepSpeed's counter is k - 1; in tokens: tokens / nominal - 1.
-    return {"last_batch_iteration": tokens_so_far / tokens_per_update - 1}
+def token_count(engine, tokens_per_update):
+    """Exercise 3: the token count to continue the token clock from after load_checkpoint."""
+    # The checkpoint restored the scheduler, whose counter is the clock's last value,
+    # tokens_so_far / tokens_per_update - 1: invert it. (A loop that saves the count in
+    # save_checkpoint's client_state gets it back from load_checkpoint just as well.)
+    return (engine.lr_scheduler.last_batch_iteration + 1) * tokens_per_update
 
 
 if __name__ == "__main__":
     from gas_lab.lessons.exercises.lesson08 import (
         check_resume_position,
         check_sum_loss,
-        check_token_clock,
+        check_token_count,
     )
 
     print(check_sum_loss(sum_loss))
     print(check_resume_position(resume_position))
-    print(check_token_clock(token_clock))
+    print(check_token_count(token_count))

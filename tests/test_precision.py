@@ -1,7 +1,8 @@
-"""Lesson 08 on 2 ranks against DeepSpeed 0.19.8: ``"gradient_allreduce_op": "sum"``, bf16 with
-each ``data_types.grad_accum_dtype`` (accepted, refused or routed as DeepSpeed, and the same
-gradients and weights where both run), ``communication_data_type``, and the four values of
-``initialize`` with its ``training_data`` loader."""
+"""Lesson 08 and appendix A2 on 2 ranks against DeepSpeed 0.19.8: ``"gradient_allreduce_op":
+"sum"``, bf16 with each ``data_types.grad_accum_dtype`` (accepted, refused or routed as
+DeepSpeed, and the same gradients and weights where both run; at ZeRO-2, DeepSpeed's separate
+fp32 buffer, which gas_lab refuses as out of scope), ``communication_data_type``, and the four
+values of ``initialize`` with its ``training_data`` loader."""
 
 import itertools
 import os
@@ -284,3 +285,45 @@ def test_immediate_grad_update_frees_grad_and_changes_nothing(one_process):
     assert all(g is not None and g.dtype == torch.bfloat16 for g in runs["default"][0])
     assert all(g is None for g in runs["immediate"][0])
     assert torch.equal(runs["default"][1], runs["immediate"][1])
+
+
+# ---------------------------------------------------------------- ZeRO-2: DeepSpeed only
+def _stage2(ns):
+    from gas_lab.measure import edges
+
+    out = {}
+    for accum in (None, "fp32"):
+        cfg = _cell(2, True, True, accum)
+        out[accum] = {
+            "buffer": edges.accumulation_buffer({**cfg, "gradient_accumulation_steps": 4}),
+            "refused_by_gas_lab": edges.boundary_gradient("gas_lab", cfg, 1).get("refused"),
+            "error": [],
+        }
+        for n in ns:
+            got = edges.boundary_gradient("deepspeed", {**cfg, "gradient_accumulation_steps": n}, n)
+            ref = edges.reference_gradient(n)
+            out[accum]["error"].append(((got["gradient"] - ref).norm() / ref.norm()).item())
+    return out
+
+
+@pytest.mark.ranks
+def test_stage2_bf16_accumulates_in_fp32_when_grad_accum_dtype_says_so(cluster):
+    """DeepSpeed 0.19.8 at ZeRO stage 2 with bf16 and ``grad_accum_dtype: fp32``: no
+    BF16_Optimizer (that is stage 1's route), but DeepSpeedZeroOptimizer with
+    ``use_separate_grad_accum``: each backward's reduced gradient is added into an fp32
+    partition, and the error stays flat as N grows; the default accumulates in bf16 and
+    drifts. gas_lab refuses bf16 at stage 2 (out of its scope)."""
+    ns = (1, 16)
+    for out in cluster.run(_stage2, ns, timeout=300):
+        default, fp32 = out[None], out["fp32"]
+        assert default["buffer"]["wrapper"] == fp32["buffer"]["wrapper"] == "DeepSpeedZeroOptimizer"
+        assert default["buffer"]["use_separate_grad_accum"] is False
+        assert default["buffer"]["gradient_accumulation_dtype"] == "bfloat16"
+        assert fp32["buffer"]["use_separate_grad_accum"] is True
+        assert fp32["buffer"]["gradient_accumulation_dtype"] == "float32"
+        assert fp32["buffer"]["buffer"] == ["float32"]  # the running sum, this rank's partition
+        assert default["error"][1] > 1.2 * default["error"][0]
+        assert fp32["error"][1] < 1.5 * fp32["error"][0]
+        assert fp32["error"][1] < default["error"][1]
+        for accum in (None, "fp32"):
+            assert out[accum]["refused_by_gas_lab"].startswith("NotImplementedInGasLab"), out

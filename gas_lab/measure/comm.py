@@ -87,10 +87,16 @@ class Collective:
 
 
 class CollectiveLog:
-    """The collectives recorded in one ``count_collectives()`` block, in call order."""
+    """The collectives recorded in one ``count_collectives()`` block, in call order.
 
-    def __init__(self):
+    With ``keep_tensors``, ``tensors[i]`` is ``(handed, result)`` for ``calls[i]``: copies of
+    its first tensor argument as it was handed over and as it came back (an in-place
+    collective's result), or None for a call without one (a barrier)."""
+
+    def __init__(self, keep_tensors: bool = False):
         self.calls: list[Collective] = []
+        self.keep_tensors = keep_tensors
+        self.tensors: list[tuple[torch.Tensor, torch.Tensor] | None] = []
 
     def __len__(self) -> int:
         return len(self.calls)
@@ -130,9 +136,12 @@ _lock = threading.Lock()
 
 
 @contextlib.contextmanager
-def count_collectives():
-    """Record every collective issued inside the block (by gas_lab, torch or DeepSpeed)."""
-    log = CollectiveLog()
+def count_collectives(keep_tensors: bool = False):
+    """Record every collective issued inside the block (by gas_lab, torch or DeepSpeed).
+
+    ``keep_tensors=True`` also copies what each call was handed and what it returned
+    (``log.tensors``): lesson 08 reads where the division by the world size happens."""
+    log = CollectiveLog(keep_tensors)
     with _lock:
         if not _active:
             _install()
@@ -185,6 +194,8 @@ def _recording(original, qualified: str, name: str):
                 _depth.n = depth
         logs = list(_active)
         described = (_payload(args, kwargs), _size(signature, args, kwargs), _dtype(args, kwargs))
+        first = _first_tensor(args, kwargs) if any(log.keep_tensors for log in logs) else None
+        handed = first.detach().clone() if first is not None else None
         _depth.n, _depth.op = 1, name if torch_name else None
         start = time.perf_counter_ns()
         try:
@@ -195,8 +206,11 @@ def _recording(original, qualified: str, name: str):
                 KINDS[name], qualified, *described, op=_depth.op or name, start_ns=start, end_ns=end
             )
             _depth.n, _depth.op = 0, None
+            kept = (handed, first.detach().clone()) if first is not None else None
             for log in logs:
                 log.calls.append(call)
+                if log.keep_tensors:
+                    log.tensors.append(kept)
 
     return wrapper
 
@@ -215,6 +229,10 @@ def _payload(args, kwargs) -> int:
         return 0
 
     return max((nbytes(v) for v in (*args, *kwargs.values())), default=0)
+
+
+def _first_tensor(args, kwargs) -> torch.Tensor | None:
+    return next((v for v in (*args, *kwargs.values()) if torch.is_tensor(v)), None)
 
 
 def _size(signature, args, kwargs) -> int:

@@ -5,8 +5,12 @@
    gradients as the sum all-reduce does, compares with the big batch's per-token gradient.
 2. :func:`check_resume_position`: after loading a checkpoint saved mid-window in an unmanaged,
    ragged run, where to restart the data; trains a real gas_lab engine both ways.
-3. :func:`check_token_clock`: ``lr_kwargs`` that make ``WarmupLR`` count tokens, not updates;
-   steps a real gas_lab engine and compares its learning rates with the token clock's.
+3. :func:`check_token_count`: after ``load_checkpoint``, the token count that continues the
+   lesson's token clock; steps real gas_lab engines with and without the save and compares
+   their learning rates.
+
+A first wrong try says what differs and where to look; the hint comes on a second try of the
+same case or with ``lesson08.hint()`` (:mod:`gas_lab.lessons.exercises.verdict`).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import torch
 
 from gas_lab.accumulate import Batch, Window, compare_grads, full_batch_gradient, grads_of
 from gas_lab.accumulate import token_loss as _token_loss
-from gas_lab.lessons.exercises.verdict import Verdict, check_cases
+from gas_lab.lessons.exercises.verdict import Miss, Verdict, check_cases
 from gas_lab.lessons.exercises.verdict import hint as hint  # lessonNN.hint()
 from gas_lab.lessons.rollouts import rollouts
 from gas_lab.toys import TinyTransformer, flat_params, micro_batch, tiny_model
@@ -50,7 +54,7 @@ def _big_batch(per_rank: list[list[Batch]]) -> dict:
     return full_batch_gradient(TinyTransformer(3), big, _token_loss, "per_token")
 
 
-def _judge_sum(result) -> str | None:
+def _judge_sum(result) -> Miss | None:
     got, ref, w, gas = result
     err = compare_grads(got, ref)
     if err.max_rel < TOL:
@@ -58,15 +62,19 @@ def _judge_sum(result) -> str | None:
     dot = sum((got[k].double() * ref[k].double()).sum() for k in ref)
     factor = (dot / sum(ref[k].double().pow(2).sum() for k in ref)).item()
     if compare_grads(got, {k: v * factor for k, v in ref.items()}).max_rel < TOL:
+        differs = (f"the summed update points where the big batch's per-token gradient points, "
+                   f"but is {factor:.3g} x its size (expected 1 x)")  # fmt: skip
         if abs(factor * gas - 1) < 1e-3:
-            return (f"the update is 1/{gas} of the big batch's: engine.backward(loss) divides by "
-                    f"gradient_accumulation_steps = {gas}; multiply by gas to undo it.")  # fmt: skip
+            return Miss(differs, "engine.backward(loss) divides every loss by "
+                        "gradient_accumulation_steps; with gas micro-batches per rank, multiply "
+                        "by gas to undo it.")  # fmt: skip
         if abs(factor - w) < 1e-3 or abs(factor - w / gas) < 1e-3:
-            return (f"the update is {factor:.3g} x the big batch's: with the sum all-reduce "
-                    "nothing divides by world_size, so there is nothing for x world_size to undo.")  # fmt: skip
-        return f"the update is {factor:.3g} x the big batch's: right direction, wrong size."
-    return (f"the gradient differs from the big batch's ({err}): divide by all_tokens, the "
-            "step's real tokens on every rank, not by this rank's.")  # fmt: skip
+            return Miss(differs, "with the sum all-reduce nothing divides by world_size, so "
+                        "there is nothing for x world_size to undo.")  # fmt: skip
+        return Miss(differs)
+    return Miss(f"the summed update points elsewhere than the big batch's per-token gradient "
+                f"({err})", "every real token of the step, on every rank, must weigh the same: "
+                "divide by all_tokens, not by this rank's rank_tokens.")  # fmt: skip
 
 
 def check_sum_loss(fn: Callable) -> Verdict:
@@ -88,6 +96,7 @@ def check_sum_loss(fn: Callable) -> Verdict:
         ],  # fmt: skip
         "the sum all-reduce adds the ranks' gradients (no / world_size) and backward() still "
         "divides every loss by gradient_accumulation_steps.",
+        where="section 5 (*Sum or mean*): lesson 07's loss and its sum variant",
     )
 
 
@@ -120,29 +129,44 @@ def _resume_case(fn: Callable, sizes: list[int], save_after: int) -> Callable[[]
         saver.save_checkpoint(folder)
         fresh, *_ = initialize(model=tiny_model(1), config=CONFIG)
         fresh.load_checkpoint(folder)
-        start = fn(fresh.global_steps, list(sizes))
-        if not isinstance(start, int) or not 0 <= start <= save_after:
-            return start, None, sizes, save_after, fresh.global_steps
+        steps = fresh.global_steps
+        start = fn(steps, list(sizes))
+        if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start < len(stream):
+            return start, None, sizes, steps
         _train(fresh, stream, sizes, start=start)
         diff = (flat_params(fresh.module) - flat_params(reference.module)).abs().max().item()
-        return start, diff, sizes, save_after, fresh.global_steps
+        return start, diff, sizes, steps
 
     return run
 
 
-def _judge_resume(result) -> str | None:
-    start, diff, sizes, save_after, steps = result
-    right = sum(sizes[:steps])
-    if diff is not None and diff <= 1e-6:
+def _span(first: int, last: int, verb: str) -> str:
+    """'micro-batch 3 runs twice' / 'micro-batches 4 to 7 run twice'."""
+    if first == last:
+        return f"micro-batch {first} {verb}s"
+    return f"micro-batches {first} to {last} {verb}"
+
+
+def _judge_resume(result) -> Miss | None:
+    """What the restart index does to the run: which micro-batches run twice or never."""
+    start, diff, sizes, steps = result
+    right = sum(sizes[:steps])  # the first micro-batch of the window that was open
+    n = sum(sizes)
+    if diff is None:
+        return Miss(f"returned {start!r}; expected an index into the stream of {n} micro-batches "
+                    f"(0 to {n - 1})")  # fmt: skip
+    if start == right and diff <= 1e-6:
         return None
-    if start == save_after:
-        return (f"restarting at micro-batch {start}, where the save happened, loses the "
-                f"{save_after - right} micro-batches of the open window: their gradients were "
-                "not saved. Redo the window from its first micro-batch.")  # fmt: skip
-    if start == steps * CONFIG["gradient_accumulation_steps"]:
-        return (f"{steps} x gradient_accumulation_steps = {start} assumes every step had GAS "
-                f"micro-batches; this run's steps had {sizes[:steps]}.")  # fmt: skip
-    return f"restarting at micro-batch {start!r} ends {diff} away from the uninterrupted run."
+    ends = f"the resumed run ends {diff:.1e} away from the uninterrupted one"
+    if start < right:
+        return Miss(f"restarting at micro-batch {start}: {_span(start, right - 1, 'run')} twice, "
+                    f"though the {steps} applied steps already hold them; {ends}",
+                    "global_steps counts the steps whose update happened: every micro-batch "
+                    "of those steps is in the loaded weights. Start after them.")  # fmt: skip
+    return Miss(f"restarting at micro-batch {start}: {_span(right, start - 1, 'never run')} "
+                f"(step {steps} was open at the save); {ends}",
+                "the open window's gradients were not saved: redo that window from its first "
+                "micro-batch.")  # fmt: skip
 
 
 def check_resume_position(fn: Callable) -> Verdict:
@@ -155,7 +179,7 @@ def check_resume_position(fn: Callable) -> Verdict:
                 "steps of 3, 1, 4, 2 micro-batches, saved mid step 2",
                 _resume_case(fn, [3, 1, 4, 2], 6),
                 _judge_resume,
-            ),  # noqa: E501
+            ),
             (
                 "steps of 2, 5, 1, saved at a boundary",
                 _resume_case(fn, [2, 5, 1], 7),
@@ -165,67 +189,116 @@ def check_resume_position(fn: Callable) -> Verdict:
         ],  # fmt: skip
         "the checkpoint holds global_steps, the number of steps whose update happened; every "
         "micro-batch of those steps is in the weights, none of the open window's is.",
+        where="section 4 (*Resume mid-window*): the three plans and the safe place to save",
     )
 
 
-# ---------------------------------------------------------------- exercise 3: a token clock
+# ---------------------------------------------------------------- exercise 3: resume the clock
 SCHEDULE = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.001, "warmup_max_lr": 0.01,
-                                           "warmup_num_steps": 4, "warmup_type": "linear"}}  # fmt: skip
+                                           "warmup_num_steps": 12, "warmup_type": "linear"}}  # fmt: skip
 
 
-def token_clock_lr(tokens_so_far: float, nominal: float) -> float:
-    """WarmupLR's lr after an update that brought the run to ``tokens_so_far`` tokens, when
-    ``nominal`` tokens count as one update (the lr the *next* update uses)."""
-    p = SCHEDULE["params"]
-    i = tokens_so_far / nominal - 1
-    frac = 0.0 if i < 0 else min(1.0, i / p["warmup_num_steps"])  # before "the start": min
-    return p["warmup_min_lr"] + (p["warmup_max_lr"] - p["warmup_min_lr"]) * frac
+def token_clock(tokens_so_far: float, tokens_per_update: float) -> dict:
+    """The lesson's clock: ``lr_kwargs`` after the update that brought the run to
+    ``tokens_so_far`` tokens."""
+    return {"last_batch_iteration": tokens_so_far / tokens_per_update - 1}
 
 
-def _clock_case(fn: Callable, tokens: list[int], nominal: int) -> Callable[[], tuple]:
+def _clocked(engine, tokens: list[int], per_update: float, seen: float = 0.0) -> list[float]:
+    """Unmanaged updates on the token clock (no backward: an update of nothing moves the
+    clock all the same); the lr after each."""
+    lrs = []
+    for t in tokens:
+        seen += t
+        engine.step(lr_kwargs=token_clock(seen, per_update))
+        lrs.append(engine.get_lr()[0])
+    return lrs
+
+
+def _scenario(fn: Callable, tokens: list[int], per_update: float, save_after: int) -> dict:
+    """One run saved after ``save_after`` updates and resumed with ``fn``'s count, and the
+    uninterrupted run: their learning rates after the save, and the counts."""
+    from gas_lab.deepspeed_compat.engine import initialize
+
+    config = {**CONFIG, "scheduler": SCHEDULE}
+    whole, *_ = initialize(model=tiny_model(0), config=config)
+    want = _clocked(whole, tokens, per_update)[save_after:]
+    saver, *_ = initialize(model=tiny_model(0), config=config)
+    _clocked(saver, tokens[:save_after], per_update)
+    folder = tempfile.mkdtemp(prefix="lesson08_clock_")
+    saver.save_checkpoint(folder)
+    fresh, *_ = initialize(model=tiny_model(1), config=config)
+    fresh.load_checkpoint(folder)
+    lbi = fresh.lr_scheduler.last_batch_iteration
+    candidates = {  # other numbers an engine holds after the load, scaled the clock's way
+        "global_steps": fresh.global_steps * per_update,
+        "last_batch_iteration": lbi * per_update,
+        "zero": 0,
+    }
+    count = fn(fresh, per_update)
+    if isinstance(count, bool) or not isinstance(count, (int, float)):
+        return {"count": count, "got": None}
+    got = _clocked(fresh, tokens[save_after:], per_update, seen=count)
+    return {"count": count, "truth": sum(tokens[:save_after]), "got": got, "want": want,
+            "matches": {k for k, v in candidates.items() if math.isclose(count, v)}}  # fmt: skip
+
+
+# A second run (other tokens, another save point) each case also asks fn about: a mistake is
+# named only when fn's count equals the same wrong quantity in both runs.
+PROBE = ([40, 7, 300, 90, 15, 120], 64, 2)
+
+
+def _count_case(fn: Callable, tokens: list[int], per_update: float, save_after: int):
     def run():
-        from gas_lab.deepspeed_compat.engine import initialize
-
-        engine, *_ = initialize(model=tiny_model(0), config={**CONFIG, "scheduler": SCHEDULE})
-        got, seen = [], 0
-        for t in tokens:
-            seen += t
-            engine.step(lr_kwargs=fn(seen, nominal))  # no backward needed to move the clock
-            got.append(engine.get_lr()[0])
-        return got, [token_clock_lr(s, nominal) for s in _cumsum(tokens)], tokens, nominal
+        return _scenario(fn, tokens, per_update, save_after), _scenario(fn, *PROBE)
 
     return run
 
 
-def _cumsum(xs):
-    out, total = [], 0
-    for x in xs:
-        total += x
-        out.append(total)
-    return out
+FIXES = {
+    "global_steps": "global_steps counts updates, and these updates held different numbers of "
+    "tokens. The checkpoint restored the scheduler: its counter is the clock's last value.",
+    "last_batch_iteration": "the counter after update k is k - 1 on DeepSpeed's clock; on the "
+    "token clock it is tokens_so_far / tokens_per_update - 1: undo the - 1 too.",
+    "zero": "a clock restarted at 0 runs the warm-up again. The checkpoint restored the "
+    "scheduler: its counter is the clock's last value.",
+}
 
 
-def _judge_clock(result) -> str | None:
-    got, want, tokens, nominal = result
-    if all(math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12) for a, b in zip(got, want, strict=True)):
+def _judge_count(result) -> Miss | None:
+    case, probe = result
+    if case["got"] is None:
+        return Miss(f"returned {case['count']!r}; expected a number of tokens")
+    pairs = list(zip(case["got"], case["want"], strict=True))
+    if all(math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12) for a, b in pairs):
         return None
-    ahead = [token_clock_lr(s + nominal, nominal) for s in _cumsum(tokens)]
-    if all(math.isclose(a, b, rel_tol=1e-9) for a, b in zip(got, ahead, strict=True)):
-        return ("one update ahead: after its k-th update DeepSpeed's counter is k - 1 (it "
-                "starts at -1), so subtract 1.")  # fmt: skip
-    k = next(i for i, (a, b) in enumerate(zip(got, want, strict=True)) if not math.isclose(a, b))
-    return (f"after update {k + 1} ({_cumsum(tokens)[k]} tokens, {nominal} per nominal update) "
-            f"the lr is {got[k]:.6g}, the token clock says {want[k]:.6g}.")  # fmt: skip
+    k = next(i for i, (a, b) in enumerate(pairs) if not math.isclose(a, b, rel_tol=1e-9))
+    differs = (f"resumed at {case['count']:g} tokens, where the run had seen {case['truth']}: "
+               f"update {k + 1} after the load set the lr to {case['got'][k]:.6g}, the "
+               f"uninterrupted run to {case['want'][k]:.6g}")  # fmt: skip
+    same = case["matches"] & probe.get("matches", set())
+    return Miss(differs, FIXES[same.pop()] if len(same) == 1 else None)
 
 
-def check_token_clock(fn: Callable) -> Verdict:
-    """Exercise 3: ``fn(tokens_so_far, tokens_per_update)`` -> the ``lr_kwargs`` dict."""
+def check_token_count(fn: Callable) -> Verdict:
+    """Exercise 3: ``fn(engine, tokens_per_update)`` -> the token count to continue the
+    token clock from after ``engine.load_checkpoint``."""
     return check_cases(
-        "WarmupLR on a token clock",
+        "resume the token clock",
         [
-            ("every update has the nominal tokens", _clock_case(fn, [100] * 6, 100), _judge_clock),
-            ("ragged updates", _clock_case(fn, [30, 250, 60, 100, 10, 400], 100), _judge_clock),
+            (
+                "ragged updates, saved after 3",
+                _count_case(fn, [30, 250, 60, 100, 10, 400], 100, 3),
+                _judge_count,
+            ),
+            (
+                "ragged updates, saved after 4",
+                _count_case(fn, [7, 93, 41, 12, 150, 66], 50, 4),
+                _judge_count,
+            ),
         ],  # fmt: skip
-        "engine.step(lr_kwargs=...) calls scheduler.step(**lr_kwargs) after the update; "
-        "WarmupLR.step takes last_batch_iteration, and any number (not only an int) works.",
+        "the loaded engine's lr_scheduler came back from the checkpoint, and its "
+        "last_batch_iteration is the last value the clock gave it: invert token_clock.",
+        where="section 3 (*Schedules under a variable number of micro-batches*), token_clock; "
+        "section 4 (*Resume mid-window*), what a checkpoint holds",
     )
