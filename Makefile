@@ -57,7 +57,7 @@ bench: $(STAMP)  ## time gas_lab vs DeepSpeed vs torch DDP per optimizer step (2
 
 docs: $(STAMP)  ## the docs site in build/html, from the executed notebooks, warnings are errors
 	test -f $(EXECUTED)/00_setup.ipynb || $(MAKE) --no-print-directory notebooks
-	rm -rf build/html docs/lessons && mkdir -p docs/lessons && cp $(EXECUTED)/[0-9][0-9]_*.ipynb docs/lessons/
+	rm -rf build/html docs/lessons && mkdir -p docs/lessons && cp $(EXECUTED)/[0-9][0-9]_*.ipynb $(EXECUTED)/A[0-9]_*.ipynb docs/lessons/
 	$(BIN)/sphinx-build -W --keep-going -q -b html docs build/html
 	@echo "docs: open build/html/index.html"
 

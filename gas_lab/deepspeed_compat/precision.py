@@ -28,7 +28,7 @@ fp16 is refused on this CPU (``ValueError: Type fp16 is not supported on your de
 out of gas_lab's scope everywhere. :func:`route` returns the :class:`Precision` of a config;
 ``gas_lab.deepspeed_compat.strategies`` hands it to the strategies, which follow it. A non-finite gradient norm *skips* the
 update (``skipped_steps``) except at stage 0 in fp32, where DeepSpeed has no check and an inf
-loss turns the weights into NaN. Taught in lesson 08 (``tutorials/08_edges.ipynb``).
+loss turns the weights into NaN. Taught in appendix A2 (``tutorials/A2_bf16_accumulation_dtype.ipynb``).
 """
 
 from __future__ import annotations
