@@ -9,7 +9,9 @@ finish are re-run on the ranks.
 """
 
 import json
+import re
 from importlib.metadata import version
+from pathlib import Path
 
 import pytest
 
@@ -51,6 +53,22 @@ def test_rule_pads_where_some_rank_owes_a_call_or_nobody_has_data():
     assert idle_rank.rule_pads(1, False, "idle") and idle_rank.rule_pads(2, False, "ragged")
     assert idle_rank.rule_pads(0, False, "all_idle")  # nobody has data: skip the step
     assert all(idle_rank.rule_pads(s, True, "ragged") for s in range(4))
+
+
+def test_appendix_a3_states_the_rule_of_the_module_word_for_word():
+    """The course states the rule once, in appendix A3's quote; the module that pads by it
+    says the same sentence."""
+    notebook = Path(__file__).resolve().parents[1] / "tutorials" / "A3_idle_ranks.ipynb"
+    cells = json.loads(notebook.read_text())["cells"]
+    text = "".join("".join(c["source"]) + "\n" for c in cells if c["cell_type"] == "markdown")
+    quotes = [line[2:] for line in text.splitlines() if line.startswith("> ")]
+    doc = idle_rank.__doc__.split("is the rule as code): ", 1)[1].split("\n\n", 1)[0]
+    doc = doc.replace(" (:func:`dummy_micro_batch`)", "")
+
+    def words(t: str) -> str:
+        return " ".join(re.sub(r"`+", "", t).split())
+
+    assert quotes and words(" ".join(quotes)) == words(doc)
 
 
 # ---------------------------------------------------------------- the committed measurement
