@@ -104,6 +104,16 @@ def test_reference_clips_only_when_asked():
     assert (free["params"][-1] - clipped["params"][-1]).abs().max() > 1e-4
 
 
+def test_drift_and_the_figures():
+    runs = [{"params": torch.zeros(3)}, {"params": torch.ones(3)}]
+    assert rollouts.drift(runs, [{"params": torch.zeros(3)}] * 2) == [0.0, 1.0]
+    fig = rollouts.plot_tokens([[5, 40], [30, 10], [12, 12]])
+    assert len(fig.axes) == 2
+    losses = {name: [1.0, 0.5] for name in rollouts.PITFALLS}
+    fig = rollouts.plot_pitfalls(losses, {"mean_of_means": [1e-3, 1e-2], "local_tokens": [0, 0]})
+    assert [ax.get_yscale() for ax in fig.axes] == ["linear", "log"]
+
+
 # ---------------------------------------------------------------- 2 ranks, real DeepSpeed
 def _train(runs: dict, steps: int) -> dict:
     """On every rank: the named runs, ``{name: (library, config, pitfall)}``, side by side."""
@@ -188,3 +198,34 @@ def test_script_managed_with_a_config_file_matches_its_reference(tmp_path):
     managed = {**config, "managed_gradient_accumulation": True, "zero_optimization": {"stage": 0}}
     ref = rollouts.reference_run(managed, 3, world_size=2)
     assert _max_diff(torch.load(saved), ref["params"][-1]) < 1e-5
+
+
+# ---------------------------------------------------------------- the timeline of a ragged step
+def _ragged_step(steps: int = 40) -> int:
+    return max(
+        range(steps), key=lambda s: abs(len(rollouts.rollouts(s, 0)) - len(rollouts.rollouts(s, 1)))
+    )
+
+
+@pytest.mark.ranks
+@pytest.mark.parametrize("lib", ["deepspeed", "gas_lab"])
+def test_the_rank_with_fewer_micro_batches_waits_inside_step(cluster, lib):
+    """Lesson 07's picture: unmanaged at stage 1 nothing is reduced in backward(); the first
+    collective inside step() is the gradient all_reduce, on both ranks, and the rank with fewer
+    micro-batches spends longer in it (it arrived first and waited for the busy one)."""
+    from gas_lab.measure.timeline import calls, collectives
+
+    step = _ragged_step()
+    counts = [len(rollouts.rollouts(step, r)) for r in range(2)]
+    assert abs(counts[0] - counts[1]) >= 2
+    config = rollouts.capstone_config(stage=1, clip=0.0)
+    events = [e for ev in cluster.run(rollouts.record_step, lib, config, step) for e in ev]
+    few, busy = sorted(range(2), key=lambda r: counts[r])
+    for rank in (few, busy):
+        assert len(calls(events, rank, "backward")) == counts[rank]
+    assert not [c for c in collectives(events) if c.parent == "backward"]
+    first = {r: next(c for c in collectives(events, r) if c.parent == "step") for r in (few, busy)}
+    assert {c.kind for c in first.values()} == {"all_reduce"}
+    assert first[few].bytes == first[busy].bytes
+    durations = {r: c.end_ns - c.start_ns for r, c in first.items()}
+    assert durations[few] > durations[busy]

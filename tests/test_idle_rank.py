@@ -1,20 +1,25 @@
-"""A rank with nothing to train on (gas_lab/measure/idle_rank.py, lesson 07).
+"""A rank with fewer micro-batches than the others, none included (gas_lab/measure/idle_rank.py,
+appendix A3): the rule, held to the committed measurement and re-run live.
 
-The committed measurement (data/deepspeed_<version>_idle_rank.json) says, per ZeRO stage, what
-DeepSpeed and gas_lab do; here the cases that finish are re-run on the ranks (the workaround at
-every stage, on both libraries), and two that crash a rank are re-run in fresh processes.
+The committed measurement (data/deepspeed_<version>_idle_rank.json, ``python -m
+gas_lab.measure.idle_rank``) says, for every case, what each rank of DeepSpeed and of gas_lab
+did; here the rule (:func:`idle_rank.backward_calls`) is checked against it both ways (where it
+pads, the raw loop fails; where it asks nothing, the raw loop trains right), and the cases that
+finish are re-run on the ranks.
 """
 
 import json
+import re
 from importlib.metadata import version
+from pathlib import Path
 
 import pytest
-import torch
 
 from gas_lab.measure import idle_rank
 
 DATA = idle_rank.DATA / f"deepspeed_{version('deepspeed')}_idle_rank.json"
 CASES = json.loads(DATA.read_text())["cases"]
+AXES = ("lib", "stage", "managed", "clip", "schedule", "loop")
 
 
 def _find(**axes) -> list[dict]:
@@ -26,56 +31,141 @@ def _outcomes(case) -> list[str]:
 
 
 def _key(case) -> str:
-    return json.dumps({k: case[k] for k in ("lib", "stage", "managed", "clip", "schedule", "loop")})
+    return json.dumps({k: case[k] for k in AXES})
 
 
+# ---------------------------------------------------------------- the rule, no ranks
+@pytest.mark.parametrize(
+    "stage, managed, n, n_max, calls",
+    [
+        (0, False, 0, 2, 0), (0, False, 1, 2, 1),  # stage 0: whatever the rank has
+        (1, False, 0, 2, 1), (1, False, 1, 3, 1),  # stage 1: at least one
+        (2, False, 0, 2, 2), (3, False, 1, 3, 3),  # stages 2, 3: the busiest rank's count
+        (0, True, 0, 2, 4), (2, True, 1, 2, 4),  # managed: GAS (4 here)
+    ],
+)  # fmt: skip
+def test_backward_calls_is_the_rule(stage, managed, n, n_max, calls):
+    assert idle_rank.backward_calls(stage, managed, n, n_max, gas=4) == calls
+
+
+def test_rule_pads_where_some_rank_owes_a_call_or_nobody_has_data():
+    assert not idle_rank.rule_pads(0, False, "idle") and not idle_rank.rule_pads(1, False, "ragged")
+    assert idle_rank.rule_pads(1, False, "idle") and idle_rank.rule_pads(2, False, "ragged")
+    assert idle_rank.rule_pads(0, False, "all_idle")  # nobody has data: skip the step
+    assert all(idle_rank.rule_pads(s, True, "ragged") for s in range(4))
+
+
+def test_appendix_a3_states_the_rule_of_the_module_word_for_word():
+    """The course states the rule once, in appendix A3's quote; the module that pads by it
+    says the same sentence."""
+    notebook = Path(__file__).resolve().parents[1] / "tutorials" / "A3_idle_ranks.ipynb"
+    cells = json.loads(notebook.read_text())["cells"]
+    text = "".join("".join(c["source"]) + "\n" for c in cells if c["cell_type"] == "markdown")
+    quotes = [line[2:] for line in text.splitlines() if line.startswith("> ")]
+    doc = idle_rank.__doc__.split("is the rule as code): ", 1)[1].split("\n\n", 1)[0]
+    doc = doc.replace(" (:func:`dummy_micro_batch`)", "")
+
+    def words(t: str) -> str:
+        return " ".join(re.sub(r"`+", "", t).split())
+
+    assert quotes and words(" ".join(quotes)) == words(doc)
+
+
+# ---------------------------------------------------------------- the committed measurement
 def test_the_measurement_covers_every_case():
     """Every case of idle_rank.cases() (DeepSpeed at stages 0-3, gas_lab at its stages), once;
-    a new gas_lab stage fails here until the file is re-measured."""
+    a new case or a new gas_lab stage fails here until the file is re-measured."""
     assert sorted(map(_key, CASES)) == sorted(map(_key, idle_rank.cases()))
     assert {c["stage"] for c in _find(lib="deepspeed")} == {0, 1, 2, 3}
     for case in CASES:  # every case finished within the bound, with a verdict for every rank
         assert case["seconds"] < idle_rank.HANG_S + 30 and len(case["ranks"]) == 2
 
 
-def test_deepspeed_unmanaged_idle_rank_per_stage():
-    """One idle rank, unmanaged, as measured: stage 0 reduces zeros for it and trains right;
-    stage 1 raises IndexError on the idle rank and the busy rank dies with it; stages 2 and 3
-    fail too."""
-    for case in _find(lib="deepspeed", managed=False, schedule="idle", loop="raw"):
+def test_the_raw_loop_fails_exactly_where_the_rule_pads():
+    """Both libraries, every stage, mode and schedule, clipping at 1.0 (DeepSpeed's default):
+    where the rule asks nothing of any rank, the raw loop trains right on every rank; where it
+    pads a rank or skips the step, the raw loop does not (a rank raises, aborts, waits, or,
+    when no rank has data at stage 0 unmanaged, every rank steps on zero gradients)."""
+    checked = 0
+    for case in _find(loop="raw", clip=1.0):
+        pads = idle_rank.rule_pads(case["stage"], case["managed"], case["schedule"])
+        if pads:
+            assert _outcomes(case) != ["ok", "ok"], _key(case)
+        else:
+            assert _outcomes(case) == ["ok", "ok"], _key(case)
+        checked += 1
+    assert checked == 2 * 7 * 3  # modes x (DeepSpeed's 4 + gas_lab's 3 stages) x schedules
+
+
+def test_the_rule_trains_right_everywhere():
+    for case in _find(loop="rule"):
+        assert _outcomes(case) == ["ok", "ok"], _key(case)
+    assert len(_find(loop="rule")) == 2 * 7 * 3
+
+
+def test_the_padding_is_counted_in_global_samples():
+    """Unmanaged, a dummy backward() counts like a real one (micro-batch x W per call)."""
+    (case,) = _find(lib="deepspeed", stage=2, managed=False, schedule="idle", loop="rule")
+    for rank in case["ranks"]:
+        calls = [c[3] for c in rank["counters"]]
+        samples = [c[1] for c in rank["counters"]]
+        assert samples == [idle_rank.MICRO * 2 * sum(calls[: i + 1]) for i in range(3)]
+    assert case["ranks"][0]["counters"][1][3] == 2  # the idle rank ran 2 dummies
+
+
+def test_deepspeed_stage1_idle_rank_raises_index_error_and_the_busy_rank_dies_with_it():
+    for clip in (0.0, 1.0):
+        (case,) = _find(lib="deepspeed", stage=1, managed=False, clip=clip, schedule="idle",
+                        loop="raw")  # fmt: skip
         idle, busy = case["ranks"]
-        if case["stage"] == 0:
-            assert _outcomes(case) == ["ok", "ok"]
-            continue
-        assert idle["outcome"] == "raised" and busy["outcome"] in ("raised", "abort", "hang")
-        if case["stage"] == 1:
-            assert (idle["exception"], idle["message"]) == ("IndexError", "list index out of range")
-            assert "Connection closed by peer" in busy["message"]
+        assert (idle["exception"], idle["message"]) == ("IndexError", "list index out of range")
+        assert "Connection closed by peer" in busy["message"]
+
+
+# Managed, a rank whose real micro-batch runs before the boundary and whose boundary micro-step
+# has no backward(): DeepSpeed's ZeRO-1/2 raise TypeError in that step() (no averaged gradient),
+# while gas_lab's refusal (idle_window_stage1/2) only looks for a window without any backward(),
+# so gas_lab goes on, sends a collective the other rank does not, and gloo aborts the process.
+# Both fail (the rule holds); the refusal's moment and type are gas_lab's gap, reported.
+KNOWN_GAPS = [
+    {"lib": "gas_lab", "stage": stage, "managed": True, "clip": clip, "schedule": "ragged",
+     "loop": "raw"}
+    for stage in (1, 2) for clip in (1.0, 0.0)
+]  # fmt: skip
+
+
+def _same_verdict_or_refused_alike(ours) -> None:
+    (theirs,) = [c for c in CASES if _key(c) == _key({**ours, "lib": "deepspeed"})]
+    if all(k in ("ok", "wrong") for k in _outcomes(theirs)):
+        assert _outcomes(ours) == _outcomes(theirs), _key(ours)
+        diffs = [
+            abs(a["diff"] - b["diff"]) for a, b in zip(ours["ranks"], theirs["ranks"], strict=True)
+        ]
+        assert max(diffs) <= idle_rank.TOL, _key(ours)
+        return
+    assert "ok" not in _outcomes(ours) and "wrong" not in _outcomes(ours), _key(ours)
+    for mine, ds in zip(ours["ranks"], theirs["ranks"], strict=True):
+        if ds["outcome"] == "raised" and "by peer" not in ds["message"]:  # not a peer's death
+            assert mine.get("refused_as") == ds["exception"], _key(ours)
 
 
 def test_gas_lab_does_what_deepspeed_does_or_refuses_as_it_fails():
-    """Every case at gas_lab's stages, managed or not, one rank or every rank idle: where
-    DeepSpeed finishes, gas_lab reaches the same verdict (right, or the same wrong weights);
-    where a DeepSpeed rank raises, gas_lab's raises too, and an exception DeepSpeed raises
-    itself is the type of gas_lab's refusal; where DeepSpeed waits or aborts, gas_lab fails."""
-    checked = 0
-    for ours in _find(lib="gas_lab", loop="raw"):
-        (theirs,) = [c for c in CASES if _key(c) == _key({**ours, "lib": "deepspeed"})]
-        if all(k in ("ok", "wrong") for k in _outcomes(theirs)):
-            assert _outcomes(ours) == _outcomes(theirs), _key(ours)
-            diffs = [
-                abs(a["diff"] - b["diff"])
-                for a, b in zip(ours["ranks"], theirs["ranks"], strict=True)
-            ]
-            assert max(diffs) <= idle_rank.TOL, _key(ours)
-            checked += 1
-            continue
-        assert "ok" not in _outcomes(ours) and "wrong" not in _outcomes(ours), _key(ours)
-        for mine, ds in zip(ours["ranks"], theirs["ranks"], strict=True):
-            if ds["outcome"] == "raised" and "by peer" not in ds["message"]:  # not a peer's death
-                assert mine.get("refused_as") == ds["exception"], _key(ours)
-        checked += 1
-    assert checked == len(_find(lib="gas_lab", loop="raw")) >= 16
+    """Every raw case at gas_lab's stages: where DeepSpeed finishes, gas_lab reaches the same
+    verdict (right, or the same wrong weights); where a DeepSpeed rank raises, gas_lab's raises
+    too, and an exception DeepSpeed raises itself is the type of gas_lab's refusal; where
+    DeepSpeed waits or aborts, gas_lab fails."""
+    gaps = [_key(g) for g in KNOWN_GAPS]
+    checked = [c for c in _find(lib="gas_lab", loop="raw") if _key(c) not in gaps]
+    for ours in checked:
+        _same_verdict_or_refused_alike(ours)
+    assert len(checked) + len(gaps) == len(_find(lib="gas_lab", loop="raw")) >= 30
+
+
+@pytest.mark.xfail(strict=True, reason="gas_lab fails there without refusing (KNOWN_GAPS)")
+@pytest.mark.parametrize("gap", KNOWN_GAPS, ids=lambda g: f"stage{g['stage']}-clip{g['clip']}")
+def test_gas_lab_refuses_a_managed_window_without_its_boundary_backward(gap):
+    (ours,) = _find(**gap)
+    _same_verdict_or_refused_alike(ours)
 
 
 @pytest.mark.parametrize("stage, raises", [(1, "IndexError"), (2, "TypeError")])
@@ -87,15 +177,10 @@ def test_gas_lab_at_stages_1_and_2_refuses_the_idle_rank_as_deepspeed_fails(stag
     assert busy["outcome"] == "raised" and "closed by peer" in busy["message"]
 
 
-def test_the_workaround_trains_right_everywhere_it_was_measured():
-    for case in _find(loop="workaround"):
-        assert _outcomes(case) == ["ok", "ok"], case
-
-
 def test_all_ranks_idle_at_stage_0_is_a_trap():
-    """No rank has data and every rank calls step(): DeepSpeed's stage 0 unmanaged steps Adam
-    on zero gradients (its moments still move the weights), with no error."""
-    for case in _find(lib="deepspeed", stage=0, managed=False, schedule="all_idle", loop="raw"):
+    """No rank has data and every rank calls step(): stage 0 unmanaged steps Adam on zero
+    gradients (its moments still move the weights), with no error, on both libraries."""
+    for case in _find(stage=0, managed=False, schedule="all_idle", loop="raw"):
         assert _outcomes(case) == ["wrong", "wrong"]
         assert min(r["diff"] for r in case["ranks"]) > 1e-4
 
@@ -112,19 +197,16 @@ LIVE = [
 def _live(lib, stage, managed):
     out = {}
     for schedule in idle_rank.SCHEDULES:
-        got = idle_rank.run(lib, stage, managed, 1.0, schedule, "workaround")
-        ref = idle_rank.reference(managed, 1.0, schedule)
-        out[schedule] = (torch.tensor(got["params"]) - ref).abs().max().item()
-    if stage == 0 and not managed:  # the idle rank needs nothing at stage 0
-        got = idle_rank.run(lib, 0, False, 1.0, "idle", "raw")
-        out["raw"] = torch.tensor(got["params"]) - idle_rank.reference(False, 1.0, "idle")
-        out["raw"] = out["raw"].abs().max().item()
+        case = {"lib": lib, "stage": stage, "managed": managed, "clip": 1.0, "schedule": schedule}
+        out[schedule] = idle_rank.diff_to_reference({**case, "loop": "rule"})
+        if not idle_rank.rule_pads(stage, managed, schedule):  # the rule asks nothing here
+            out[f"{schedule}, raw"] = idle_rank.diff_to_reference({**case, "loop": "raw"})
     return out
 
 
 @pytest.mark.ranks
 @pytest.mark.parametrize("lib, stage, managed", LIVE)
-def test_the_workaround_matches_the_reference(cluster, lib, stage, managed):
+def test_the_rule_matches_the_reference(cluster, lib, stage, managed):
     for diffs in cluster.run(_live, lib, stage, managed, timeout=180):
         assert max(diffs.values()) <= idle_rank.TOL, diffs
 

@@ -1,13 +1,21 @@
 """Lesson 07 checkers: solutions pass, untouched stubs are 'todo', typical mistakes are named."""
 
 import pytest
-from exercise_support import assert_failed, assert_todo, load_solutions, todo
+from exercise_support import (
+    assert_failed,
+    assert_hint_on_second_try,
+    assert_todo,
+    first_try,
+    load_solutions,
+    todo,
+)
 
 from gas_lab.lessons.exercises.lesson07 import (
     CachedCountTrainer,
     check_sequence_mean_loss,
     check_trainer,
 )
+from gas_lab.lessons.exercises.verdict import reset_tries
 
 SOL = load_solutions(7)
 
@@ -40,17 +48,33 @@ def _detached(tl, mask, rank_sequences, all_sequences, all_tokens, world_size):
     ).detach()
 
 
+def _micro_batch_mean(tl, mask, rank_sequences, all_sequences, all_tokens, world_size):
+    return (tl * mask).sum() / mask.sum() * len(mask) / all_sequences * world_size
+
+
 @pytest.mark.parametrize(
-    ("wrong", "case", "words"),
+    ("wrong", "case", "words", "hint_words"),
     [
-        (_per_token, "1 rank", ["per-token objective", "off by"]),
-        (_own_sequences, "2 ranks with very different token counts", ["OWN sequences"]),
-        (_no_world, "2 ranks with very different token counts", ["1/2", "AVERAGES"]),
-        (_detached, "1 rank", ["no gradient"]),
+        (_per_token, "1 rank", ["long sequences weigh more", "off by"], ["own real tokens"]),
+        (_own_sequences, "2 ranks with very different token counts", ["ranks of different"],
+         ["all_sequences"]),
+        (_no_world, "2 ranks with very different token counts", ["1/2", "right direction"],
+         ["AVERAGES", "world_size"]),
+        (_micro_batch_mean, "1 rank", ["every token of a micro"],
+         ["row's"]),
+        (_detached, "1 rank", ["no gradient"], ["SEQUENCE"]),
     ],
-)
-def test_sequence_mean_mistakes_are_named(wrong, case, words):
-    assert_failed(check_sequence_mean_loss(wrong), case, *words)
+)  # fmt: skip
+def test_sequence_mean_mistakes_are_named_then_hinted(wrong, case, words, hint_words):
+    """A first wrong try says what differs and where to look, never the fix (no formula, no
+    world_size); the second try of the same answer shows the hint."""
+    verdict = first_try(check_sequence_mean_loss, wrong)
+    assert_failed(verdict, case, *words)
+    assert any("section 1 (*The idea*)" in d for d in verdict.details)
+    for fix in ("world_size", "all_sequences", "mask.sum(1)"):
+        assert fix not in verdict.message
+    reset_tries()
+    assert_hint_on_second_try(lambda: check_sequence_mean_loss(wrong), *hint_words)
 
 
 # ---------------------------------------------------------------- exercise 2 (on the ranks)
@@ -63,10 +87,11 @@ def test_trainer_solution_passes_and_stub_is_todo(cluster):
 
 @pytest.mark.ranks
 def test_the_given_trainer_is_right_once_then_drifts(cluster):
-    verdict = check_trainer(CachedCountTrainer, cluster)
-    assert_failed(
-        verdict, "after step 2 of 4", "drift from the reference", "still comes from step 1"
-    )
+    verdict = first_try(check_trainer, CachedCountTrainer, cluster)
+    assert_failed(verdict, "after step 2 of 4", "drift from the reference", "Step 1 is right")
+    assert "all-reduce" not in verdict.message  # the fix waits for the second try
     assert verdict.cases_passed == 1
-    drift = verdict.message.split("after each step: ")[1].split(";")[0].split(", ")
+    drift = verdict.message.split("after each step: ")[1].split(" (")[0].split(", ")
     assert float(drift[0]) < 1e-5 < float(drift[1])  # measured: right, then not
+    second = check_trainer(CachedCountTrainer, cluster)
+    assert any(d.startswith("Hint:") and "still comes from step 1" in d for d in second.details)

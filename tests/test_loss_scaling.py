@@ -6,7 +6,6 @@ import json
 import os
 import subprocess
 import sys
-from contextlib import contextmanager
 from types import SimpleNamespace
 
 import pytest
@@ -19,7 +18,7 @@ from gas_lab.deepspeed_compat.loss_scaling import (
     for_deepspeed,
 )
 from gas_lab.errors import ConfigError
-from gas_lab.measure.loss_scale import fp16_config, run_plan
+from gas_lab.measure.loss_scale import fp16_check_lifted, fp16_config, run_plan, sgd_updates
 
 F, T = False, True
 # One sequence of boundaries (True = the accumulated gradient overflowed) and, worked out by
@@ -238,22 +237,41 @@ def test_stage0_as_deepspeed_switch():
     assert ratio == pytest.approx(2.0**8, rel=1e-2)
 
 
+def test_sgd_updates_show_the_growth_step_and_the_stage0_trap_in_the_model():
+    """gas_lab's model, one process: the true gradient is 1 and lr 1/8, so a right update is
+    1/8. ZeRO-1: a step where the scale doubled uses half the gradient. Stage 0 as DeepSpeed
+    runs it: the loss reaches backward() unscaled and every update is divided by the scale;
+    a textbook stage 0 (the loss scaled) behaves as ZeRO-1."""
+    zero1, stage0 = sgd_updates("gas_lab", 1), sgd_updates("gas_lab", 0)
+    textbook = sgd_updates("gas_lab", 0, stage0_as_deepspeed=False)
+    assert zero1["scale"] == stage0["scale"] == [16.0, 32.0, 64.0]
+    assert [u * 8 for u in zero1["update"]] == [1.0, 0.5, 0.5]
+    assert [u * 8 for u in stage0["update"]] == [1 / 16, 1 / 32, 1 / 64]
+    assert (zero1["first_grad"], stage0["first_grad"]) == (16.0, 1.0)
+    assert textbook == zero1
+    tiny = {"loss_factor": 2.0**-30, "scale_power": 16, "steps": 1}
+    assert sgd_updates("gas_lab", 0, **tiny)["first_grad"] == 0.0  # underflowed, unscaled
+    assert sgd_updates("gas_lab", 1, **tiny)["first_grad"] == 2.0**-14
+
+
+def lifted_updates(library, stage, **kw):
+    with fp16_check_lifted():
+        return sgd_updates(library, stage, **kw)
+
+
+@pytest.mark.ranks
+def test_deepspeed_fp16_engine_shows_the_growth_step_and_the_stage0_trap(cluster):
+    """The same on DeepSpeed's fp16 engine (CPU check lifted): its updates, scales and first
+    gradients equal the model's, at stages 0 and 1, and the tiny loss underflows at stage 0."""
+    for stage in (0, 1):
+        ds = cluster.run(lifted_updates, "deepspeed", stage, timeout=300)
+        assert ds[0] == ds[1] == sgd_updates("gas_lab", stage)
+    tiny = {"loss_factor": 2.0**-30, "scale_power": 16, "steps": 1}
+    assert cluster.run(lifted_updates, "deepspeed", 0, **tiny)[0]["first_grad"] == 0.0
+    assert cluster.run(lifted_updates, "deepspeed", 1, **tiny)[0]["first_grad"] == 2.0**-14
+
+
 # -- against DeepSpeed's fp16 engine on 2 CPU ranks, its CPU fp16 check lifted --------------------
-
-
-@contextmanager
-def fp16_check_lifted():
-    """DeepSpeed's CPU accelerator says no to fp16 when oneDNN has no fp16 kernels; this says
-    yes for the duration, the only change, so DeepSpeed's fp16 engine code runs on the CPU."""
-    from deepspeed.accelerator import get_accelerator
-
-    cls = type(get_accelerator())
-    original = cls.is_fp16_supported
-    cls.is_fp16_supported = lambda self: True
-    try:
-        yield
-    finally:
-        cls.is_fp16_supported = original
 
 
 def compare_lifted(stage, managed):

@@ -162,7 +162,7 @@ class RolloutRun:
         gas = self.engine.gradient_accumulation_steps() if self.managed else None
         micro = rollouts(step, self.rank, self.seed, self.spec, n_micro=gas)
         counts = StepCounts.of(micro)  # before the first backward
-        summed = torch.zeros((), dtype=torch.float64, device=self.device)
+        summed = 0.0  # this rank's loss sum, for the metrics
         for mb in micro:
             mb = to_device(mb, self.device)
             losses = token_loss(self.engine, mb)
@@ -173,16 +173,18 @@ class RolloutRun:
                 self.engine.step()  # counts the micro-step; updates on the GAS-th one
         if not self.managed:
             self.engine.step()  # the boundary: all-reduce, then one update
-        # One all_gather for the metrics: (micro-batches, tokens, loss sum) of every rank.
-        mine = torch.stack(
-            [summed.new_tensor(len(micro)), summed.new_tensor(counts.local.n_tokens), summed]
+        return {"step": step, **self._metrics(len(micro), counts, summed)}
+
+    def _metrics(self, n_micro: int, counts: StepCounts, summed) -> dict:
+        """One all_gather: (micro-batches, tokens, loss sum) of every rank."""
+        mine = torch.tensor(
+            [n_micro, counts.local.n_tokens, float(summed)], dtype=torch.float64, device=self.device
         )
         every = [mine.clone() for _ in range(counts.world_size)]
         if counts.world_size > 1:
             dist.all_gather(every, mine)
         every = torch.stack(every).cpu()
         return {
-            "step": step,
             "loss": (every[:, 2].sum() / counts.global_tokens).item(),  # before this update
             "micro_batches": every[:, 0].long().tolist(),
             "tokens": every[:, 1].long().tolist(),
@@ -223,7 +225,7 @@ def reference_run(config: dict, steps: int, world_size: int, seed=0, spec=SPEC) 
 
 # ---------------------------------------------------------------- runs that live on the ranks
 #: A notebook cell ends, its ranks live on: runs started here stay between calls, so that a
-#: notebook can drive them one step per ``cluster.run`` (and show a live progress bar).
+#: notebook can drive them one step per ``cluster.run`` and check every step.
 LIVE_RUNS: dict[str, RolloutRun] = {}
 
 
@@ -238,3 +240,89 @@ def start_runs(runs: dict[str, tuple[Callable, dict, str]], seed: int = 0) -> li
 def step_runs(step: int) -> dict[str, dict]:
     """On every rank: one step of every live run (same order everywhere); metrics + params."""
     return {name: {**run.step(step), "params": run.params()} for name, run in LIVE_RUNS.items()}
+
+
+def train(cluster, runs: dict[str, tuple[Callable, dict, str]], steps: int) -> dict[str, list]:
+    """From the notebook: train ``runs`` side by side on the ranks, ``steps`` steps; returns
+    each run's metrics and parameters after every step (rank 0's, equal on every rank)."""
+    cluster.run(start_runs, runs, timeout=300)  # the engines are built on the ranks and stay
+    history = {name: [] for name in runs}
+    for step in range(steps):
+        per_rank = cluster.run(step_runs, step)  # one step of every run, on every rank
+        for name in runs:
+            assert all(r[name]["params"].equal(per_rank[0][name]["params"]) for r in per_rank)
+            history[name].append(per_rank[0][name])
+    return history
+
+
+def drift(run: list[dict], against: list[dict]) -> list[float]:
+    """The largest parameter difference between two runs' histories, after every step."""
+    return [
+        (a["params"] - b["params"]).abs().max().item() for a, b in zip(run, against, strict=True)
+    ]
+
+
+def record_step(library: str, config: dict, step: int, seed: int = 0) -> list:
+    """On every rank: the timeline of one step of a fresh run of ``library`` ("deepspeed" or
+    "gas_lab") on ``step``'s rollouts, after one unrecorded step on the same rollouts (so that
+    nothing of the first step's set-up is in it)."""
+    from gas_lab.measure.parity import initializer
+    from gas_lab.measure.timeline import record
+
+    run = RolloutRun(initializer(library), config, seed)
+    run.step(step)
+    with record(run.engine) as events:
+        run.step(step)
+    return events
+
+
+# ---------------------------------------------------------------- figures of lesson 07
+#: One colour per run of lesson 07, the right one green.
+COLOURS = {"none": "seagreen", "mean_of_means": "crimson", "scale_wrt_gas": "purple",
+           "local_tokens": "darkorange"}  # fmt: skip
+
+
+def plot_tokens(tokens_per_rank: list[list[int]]):
+    """Real tokens of every rank at every step (top), and rank 0's share of the step's tokens,
+    the weight its data should get, against 1/W, the weight a per-rank count gives it (bottom)."""
+    import matplotlib.pyplot as plt
+
+    world = len(tokens_per_rank[0])
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 5), sharex=True, layout="constrained")
+    steps, width = torch.arange(len(tokens_per_rank)), 0.8 / world
+    for r in range(world):
+        offset = (r - (world - 1) / 2) * width
+        top.bar(steps + offset, [t[r] for t in tokens_per_rank], width, label=f"rank {r}")
+    top.set(ylabel="real tokens", title="tokens per step per rank: the rollouts decide")
+    top.legend()
+    bottom.plot(steps, [t[0] / sum(t) for t in tokens_per_rank], "o-", color=COLOURS["none"],
+                label="rank 0's share of the step's tokens")  # fmt: skip
+    bottom.axhline(1 / world, color=COLOURS["local_tokens"], linestyle="--",
+                   label=f"1/{world}: its weight with a per-rank count")  # fmt: skip
+    bottom.set(ylim=(0, 1.3), xlabel="optimizer step", ylabel="weight of rank 0")
+    bottom.legend(loc="upper center", ncol=2)
+    return fig
+
+
+def plot_pitfalls(losses: dict[str, list[float]], drifts: dict[str, list[float]]):
+    """Top: each run's loss minus the right run's, on the same rollouts. Bottom: each run's
+    parameter drift from the run it is compared with (log scale; dashed: no clipping)."""
+    import matplotlib.pyplot as plt
+
+    fig, (gap, drift_ax) = plt.subplots(2, 1, figsize=(8, 6.5), sharex=True, layout="constrained")
+    right = losses["none"]
+    gap.axhline(0, color=COLOURS["none"], linewidth=2, label="none (the right loop)")
+    for name, curve in losses.items():
+        if name != "none":
+            gap.plot([a - b for a, b in zip(curve, right, strict=True)], color=COLOURS[name],
+                     label=name)  # fmt: skip
+    gap.set(title="top: loss minus the right run's loss", ylabel="loss difference")
+    gap.legend(ncol=2)
+    for name, ds in drifts.items():
+        base = name.split(",")[0]
+        style = "--" if "no clipping" in name else "-"
+        drift_ax.plot([max(d, 1e-9) for d in ds], style, color=COLOURS[base], label=name)
+    drift_ax.set(title="bottom: parameter drift from the right run", xlabel="optimizer step",
+                 ylabel="max |param difference|", yscale="log")  # fmt: skip
+    drift_ax.legend(ncol=2)
+    return fig

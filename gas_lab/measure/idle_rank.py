@@ -1,25 +1,31 @@
-"""A rank with nothing to train on: what DeepSpeed 0.19.8 and gas_lab do, per ZeRO stage.
+"""A rank with fewer micro-batches than the others, none included: the rule, per ZeRO stage and
+mode, and its measurement on DeepSpeed 0.19.8 and gas_lab.
 
-An RL or RPC-driven trainer can end up with a step in which one rank received no data. Two
-schedules (micro-batches per rank at each of three steps) and two loops:
+**The rule** (appendix A3, ``tutorials/A3_idle_ranks.ipynb``, is the one place the course states
+it; :func:`backward_calls` is the rule as code): Every rank joins every collective of a step, so
+every rank calls ``backward()`` as often as its ZeRO stage requires: unmanaged, any number at
+stage 0 (none included), at least one at stage 1, and the busiest rank's count at stages 2 and
+3; managed, ``gradient_accumulation_steps`` at every stage. A rank with fewer micro-batches makes
+up the difference with zero-weight micro-batches (:func:`dummy_micro_batch`), and when no rank
+has data, no rank calls ``backward()`` or ``step()``.
 
-* schedule ``idle``: at step 1 rank 0 has nothing and rank 1 has two micro-batches;
+Three schedules (micro-batches of (rank 0, rank 1) at each of three steps) and two loops:
+
+* ``idle``: at step 1 rank 0 has nothing; ``ragged``: at step 1 rank 0 has fewer;
   ``all_idle``: at step 1 no rank has anything.
-* loop ``raw``: a rank runs the micro-batches it has. Every rank joins the count (the global
-  number of micro-batches, the divisor of every loss; one collective) and then calls
-  ``step()`` (managed: GAS ``step()`` calls, one per micro-step, with or without a backward).
-* loop ``workaround``: every rank pads the step to the largest count of any rank (managed: to
-  GAS) with dummy micro-batches (:func:`dummy_micro_batch`), whose loss is multiplied by 0
-  and which count no samples; when no rank has data, every rank skips the step.
-  :func:`padded_step` is that loop, after :func:`step_counts` (one all-gather).
+* loop ``raw``: a rank runs the micro-batches it has, nothing more (managed: its real ones,
+  then bare ``step()`` calls up to GAS micro-steps), and every rank calls ``step()``.
+* loop ``rule``: :func:`padded_step` with :func:`backward_calls` dummies included; a step in
+  which no rank has data is skipped by every rank.
 
-Every run is checked against :func:`gas_lab.measure.parity.reference_params` (one process,
-all real micro-batches of a step in one mean, no update for a step without data).
+Every rank joins the step's count first (:func:`step_counts`, one all-gather). Every run is
+checked against :func:`gas_lab.measure.parity.reference_params` (one process, all real
+micro-batches of a step in one mean, no update for a step without data).
 
 ``python -m gas_lab.measure.idle_rank`` measures every case, each in two fresh processes (a
 case can crash a rank, abort it from inside gloo or leave it waiting in a collective, so each
-is bounded), and writes ``data/deepspeed_<version>_idle_rank.json``; lesson 07 shows it and
-``tests/test_idle_rank.py`` re-runs the cases that finish.
+is bounded), and writes ``data/deepspeed_<version>_idle_rank.json``; ``tests/test_idle_rank.py``
+holds the rule to it, and appendix A3 re-measures cases live.
 """
 
 from __future__ import annotations
@@ -38,11 +44,27 @@ import torch.distributed as dist
 
 from gas_lab.toys import flat_params, micro_batch, tiny_model
 
-SCHEDULES = {"idle": ((2, 2), (0, 2), (2, 2)), "all_idle": ((2, 2), (0, 0), (2, 2))}
-LOOPS = ("raw", "workaround")
+SCHEDULES = {
+    "idle": ((2, 2), (0, 2), (2, 2)),
+    "ragged": ((2, 2), (1, 2), (2, 2)),
+    "all_idle": ((2, 2), (0, 0), (2, 2)),
+}
+LOOPS = ("raw", "rule")
 GAS, MICRO, TOL = 2, 2, 1e-6
 HANG_S = 60  # a rank still running after this dumps its stack and exits
 DATA = Path(__file__).resolve().parents[2] / "data"
+
+
+def backward_calls(stage: int, managed: bool, n: int, n_max: int, gas: int) -> int:
+    """The rule: how many ``backward()`` calls a rank with ``n`` micro-batches makes in a step
+    whose busiest rank has ``n_max`` (> 0; with 0 every rank skips the step)."""
+    if managed:
+        return gas  # the engine counts micro-steps: every rank runs the window's GAS
+    if stage >= 2:
+        return n_max  # every backward() reduces: the k-th call of one rank meets the k-th of all
+    if stage == 1:
+        return max(n, 1)  # ZeRO-1's step() reduces what this rank's backward() calls produced
+    return n  # stage 0: step() all-reduces .grad, zeros for a rank that ran none
 
 
 def config(stage: int, managed: bool, clip: float) -> dict:
@@ -59,20 +81,31 @@ def config(stage: int, managed: bool, clip: float) -> dict:
 
 
 def count(schedule: str, step: int, rank: int) -> int:
-    """Micro-batches of ``rank`` at ``step``: rank 0 is the one that may be idle, every other
-    rank has what rank 1 has (so the cases run on any number of ranks)."""
+    """Micro-batches of ``rank`` at ``step``: rank 0 is the one with fewer, every other rank
+    has what rank 1 has (so the cases run on any number of ranks)."""
     return SCHEDULES[schedule][step][min(rank, 1)]
 
 
+def rule_pads(stage: int, managed: bool, schedule: str, world_size: int = 2) -> bool:
+    """Whether the rule asks anything of this schedule beyond the raw loop: a dummy on some
+    rank, or a step skipped because no rank has data."""
+    for step in range(len(SCHEDULES[schedule])):
+        ns = [count(schedule, step, r) for r in range(world_size)]
+        if max(ns) == 0 or any(backward_calls(stage, managed, n, max(ns), GAS) != n for n in ns):
+            return True
+    return False
+
+
 def dummy_micro_batch(device="cpu", size: int = MICRO, d_in: int = 4, d_out: int = 2):
-    """A micro-batch for a rank without data: zeros, so its loss is finite and its gradient,
-    once the loss is multiplied by 0, exactly zero."""
+    """A micro-batch for padding: zeros, so its loss is finite and its gradient, once the loss
+    is multiplied by 0, exactly zero."""
     return torch.zeros(size, d_in, device=device), torch.zeros(size, d_out, device=device)
 
 
 def step_counts(n: int, group=None) -> tuple[int, int]:
     """This step's micro-batches on all ranks together, and the most on any one rank: one
-    all-gather of one number per rank, which every rank joins, with data or without."""
+    all-gather of one number per rank, which every rank joins, with data or without. (A SUM
+    all-reduce gives the total only; the busiest rank's count needs the gather, or a MAX.)"""
     on_gpu = dist.get_backend(group) == "nccl"  # nccl only moves GPU tensors
     mine = torch.tensor([n], device=f"cuda:{torch.cuda.current_device()}" if on_gpu else "cpu")
     every = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]
@@ -80,63 +113,74 @@ def step_counts(n: int, group=None) -> tuple[int, int]:
     return sum(int(t) for t in every), max(int(t) for t in every)
 
 
-def padded_step(engine, batches: list, n_max: int, n_global: int) -> None:
-    """One unmanaged step of the workaround, on one rank.
+def padded_step(engine, batches: list, calls: int, n_global: int, managed: bool = False) -> None:
+    """One optimizer step on one rank: its real micro-batches, then dummies, ``calls``
+    backward() calls in all (:func:`backward_calls`).
 
-    ``batches``: this rank's micro-batches (maybe none); ``n_max``: the most any rank has;
-    ``n_global``: all ranks' micro-batches (> 0; the caller skips the step when it is 0).
-    Each real loss is divided by n_global / W, so that after the ranks' gradients are
-    averaged every micro-batch weighs the same; the dummies fill up to n_max with loss x 0.
+    ``n_global``: the real micro-batches of every rank (> 0). The toy's loss is a mean over a
+    micro-batch of fixed size, so each real loss weighs ``W / n_global``: once the ranks'
+    gradients are averaged every real micro-batch weighs the same. A dummy weighs 0.
     """
-    scale, device = dist.get_world_size() / n_global, next(engine.parameters()).device
-    for i in range(n_max):
-        x, y = batches[i] if i < len(batches) else dummy_micro_batch(device)
-        weight = scale if i < len(batches) else 0.0  # a dummy trains nothing and counts nothing
-        loss = torch.nn.functional.mse_loss(engine(x), y)
-        engine.backward(loss * weight, scale_wrt_gas=False)
-    engine.step()
+    world, device = dist.get_world_size(), next(engine.parameters()).device
+    for i in range(calls):
+        real = i < len(batches)
+        x, y = batches[i] if real else dummy_micro_batch(device)
+        loss = torch.nn.functional.mse_loss(engine(x), y) * (world / n_global if real else 0.0)
+        engine.backward(loss, scale_wrt_gas=False)
+        if managed:
+            engine.step()  # the GAS-th one updates
+    if not managed:
+        engine.step()
+
+
+def _raw_step(engine, batches: list, n_global: int, managed: bool) -> None:
+    """The loop without the rule: real micro-batches only (managed: bare step() calls up to
+    GAS micro-steps), and step() whatever the other ranks have."""
+    world = dist.get_world_size()
+    for i in range(GAS if managed else len(batches)):
+        if i < len(batches):
+            loss = torch.nn.functional.mse_loss(engine(batches[i][0]), batches[i][1])
+            engine.backward(loss * world / n_global, scale_wrt_gas=False)
+        if managed:
+            engine.step()
+    if not managed:
+        engine.step()
 
 
 def run(lib: str, stage: int, managed: bool, clip: float, schedule: str, loop: str) -> dict:
-    """On a rank: train one case; returns the parameters and the counters after each step."""
-    from gas_lab.measure.parity import initializer
+    """On a rank: train one case; returns the parameters and, after each step, the counters
+    (global_steps, global_samples, micro_steps) and this rank's backward() calls."""
+    from gas_lab.measure.parity import initializer, quiet_deepspeed
 
+    if loop not in LOOPS:
+        raise ValueError(f"loop {loop!r}: choose from {LOOPS}")
     model = tiny_model(0)
     engine, *_ = initializer(lib)(
         model=model, model_parameters=model.parameters(), config=config(stage, managed, clip)
     )
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = next(engine.parameters()).device
+    rank, device = dist.get_rank(), next(engine.parameters()).device
     counters = []
-    for step in range(len(SCHEDULES[schedule])):
-        batches = [
-            tuple(t.to(device) for t in micro_batch(0, step, m, rank, MICRO))
-            for m in range(count(schedule, step, rank))
-        ]
-        n_global, n_max = step_counts(len(batches))
-        if loop == "workaround" and n_global == 0:
-            continue  # nobody has data: no rank steps
-        if loop == "workaround" and not managed:
-            padded_step(engine, batches, n_max, n_global)
-        else:
-            # managed: GAS micro-steps, real ones first, then dummies (workaround) or a bare
-            # step() (raw); unmanaged raw: the real micro-batches, then one step()
-            for i in range(GAS if managed else len(batches)):
-                if i < len(batches) or loop == "workaround":
-                    x, y = batches[i] if i < len(batches) else dummy_micro_batch(device)
-                    weight = world / n_global if i < len(batches) else 0.0
-                    loss = torch.nn.functional.mse_loss(engine(x), y) * weight
-                    engine.backward(loss, scale_wrt_gas=False)
-                if managed:
-                    engine.step()
-            if not managed:
-                engine.step()
-        counters.append((engine.global_steps, engine.global_samples, engine.micro_steps))
-    if stage == 3:  # ZeRO-3 partitions the weights themselves: gather them to compare
-        import deepspeed
+    with quiet_deepspeed():
+        for step in range(len(SCHEDULES[schedule])):
+            batches = [
+                tuple(t.to(device) for t in micro_batch(0, step, m, rank, MICRO))
+                for m in range(count(schedule, step, rank))
+            ]
+            n_global, n_max = step_counts(len(batches))
+            if loop == "raw":
+                _raw_step(engine, batches, n_global, managed)
+                calls = len(batches)
+            elif n_max == 0:
+                calls = 0  # nobody has data: no rank steps
+            else:
+                calls = backward_calls(stage, managed, len(batches), n_max, GAS)
+                padded_step(engine, batches, calls, n_global, managed)
+            counters.append((engine.global_steps, engine.global_samples, engine.micro_steps, calls))
+        if stage == 3:  # ZeRO-3 partitions the weights themselves: gather them to compare
+            import deepspeed
 
-        with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
-            return {"params": flat_params(engine.module).tolist(), "counters": counters}
+            with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+                return {"params": flat_params(engine.module).tolist(), "counters": counters}
     return {"params": flat_params(engine.module).tolist(), "counters": counters}
 
 
@@ -151,9 +195,17 @@ def reference(managed: bool, clip: float, schedule: str, world_size: int = 2) ->
     )  # fmt: skip
 
 
+def diff_to_reference(case: dict, world_size: int = 2) -> float:
+    """On a rank: run ``case`` (the keys of :func:`run`) and return its largest parameter
+    difference from :func:`reference`."""
+    got = run(**case)
+    ref = reference(case["managed"], case["clip"], case["schedule"], world_size)
+    return (torch.tensor(got["params"]) - ref).abs().max().item()
+
+
 def cases(libs=("deepspeed", "gas_lab")) -> list[dict]:
-    """Every case: library x ZeRO stage (gas_lab: the ones it has) x managed x clipping x
-    schedule x loop."""
+    """Every case: library x ZeRO stage (gas_lab: the ones it has) x managed x schedule x
+    loop x clipping (1.0, DeepSpeed's default; the raw loop also without clipping)."""
     from gas_lab.deepspeed_compat.strategies import strategy_for
 
     out = []
@@ -164,9 +216,9 @@ def cases(libs=("deepspeed", "gas_lab")) -> list[dict]:
             except ValueError:
                 continue  # a stage gas_lab does not implement
             for managed in (False, True):
-                for clip in (0.0, 1.0):
-                    for schedule in SCHEDULES:
-                        for loop in LOOPS:
+                for schedule in SCHEDULES:
+                    for loop in LOOPS:
+                        for clip in (1.0, 0.0) if loop == "raw" else (1.0,):
                             out.append({"lib": lib, "stage": stage, "managed": managed,
                                         "clip": clip, "schedule": schedule, "loop": loop})  # fmt: skip
     return out
@@ -185,7 +237,7 @@ def _rank_main(case: dict, out: str) -> None:
     path = Path(out) / f"rank{dist.get_rank()}.json"
     try:
         result = run(**case)
-        ref = reference(case["managed"], case["clip"], case["schedule"])
+        ref = reference(case["managed"], case["clip"], case["schedule"], dist.get_world_size())
         diff = (torch.tensor(result["params"]) - ref).abs().max().item()
         path.write_text(json.dumps({"outcome": "ok" if diff <= TOL else "wrong", "diff": diff,
                                     "counters": result["counters"]}))  # fmt: skip
@@ -198,7 +250,7 @@ def _rank_main(case: dict, out: str) -> None:
                                     "exception": type(err).__name__,
                                     "refused_as": getattr(getattr(err, "rule", None),
                                                           "deepspeed_raises", None),
-                                    "message": str(err).splitlines()[0][:200] if str(err) else "",
+                                    "message": str(err).splitlines()[0] if str(err) else "",
                                     "where": where}))  # fmt: skip
         sys.exit(1)
 
@@ -261,7 +313,7 @@ def measure_case(case: dict, world_size: int = 2, timeout: float = HANG_S + 30) 
 
 
 def summary(ranks: list[dict]) -> str:
-    """One cell of lesson 07's table: what the ranks did, in a few words."""
+    """One cell of appendix A3's table: what the ranks did, in a few words."""
     kinds = [r["outcome"] for r in ranks]
     if all(k == "ok" for k in kinds):
         return "trains right"
@@ -277,7 +329,7 @@ def _said(rank: dict) -> str:
         return f"{rank['exception']}, its peer is gone"
     if rank["outcome"] == "raised":
         return rank["exception"]
-    return {"abort": "aborted by gloo (message sizes differ)", "hang": "waits, timed out"}.get(
+    return {"abort": "aborted by gloo", "hang": "waits, timed out"}.get(
         rank["outcome"], rank["outcome"]
     )
 

@@ -12,12 +12,19 @@ records can be compared field by field::
     assert ours.steps == ref.steps
 
 DeepSpeed refuses fp16 on a CPU without fp16 support (``engine.py:2003-2004``), so the
-DeepSpeed side runs where ``torch.cuda.is_available()``. Call it on every rank.
+DeepSpeed side runs where ``torch.cuda.is_available()``, or on the CPU inside
+:func:`fp16_check_lifted`, which lifts that one check so that DeepSpeed's own fp16 engine runs
+with torch's CPU fp16 arithmetic (a configuration DeepSpeed does not support; appendix A1 says
+so wherever it uses it). Call it on every rank.
+
+:func:`sgd_updates` isolates two things DeepSpeed 0.19.8 does with the scale, on one weight
+whose gradient is 1: the update on a step where the scale grows, and stage 0's unscaled loss.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -45,6 +52,21 @@ def fp16_config(stage: int = 0, managed: bool = True, gas: int = 2, **fp16) -> d
         "fp16": {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 2, **fp16},
         "steps_per_print": 10**9,
     }
+
+
+@contextmanager
+def fp16_check_lifted():
+    """DeepSpeed's CPU accelerator says no to fp16 when oneDNN has no fp16 kernels; inside this
+    block it says yes, the only change, so DeepSpeed's fp16 engine code runs on the CPU."""
+    from deepspeed.accelerator import get_accelerator
+
+    cls = type(get_accelerator())
+    original = cls.is_fp16_supported
+    cls.is_fp16_supported = lambda self: True
+    try:
+        yield
+    finally:
+        cls.is_fp16_supported = original
 
 
 def schedule(optimizer) -> torch.optim.lr_scheduler.LambdaLR:
@@ -144,6 +166,55 @@ def compare(
             "deepspeed": ref.grad_after_first_backward,
         },
     }
+
+
+def sgd_updates(
+    library: str,
+    stage: int,
+    steps: int = 3,
+    loss_factor: float = 1.0,
+    scale_power: int = 4,
+    stage0_as_deepspeed: bool = True,
+) -> dict:
+    """Plain SGD (lr 1/8) on ``w * x`` with ``x = 1`` and the loss ``loss_factor * w * x``: the
+    true gradient is ``loss_factor`` at every step. fp16, scale ``2**scale_power``, a window of 1
+    (the scale doubles at every boundary DeepSpeed's rule allows), unmanaged. Returns, per step,
+    the scale after it and the update ``w_before - w_after`` (exact in fp16 here: powers of two),
+    and the fp16 gradient the first backward() left in ``.grad`` (scaled, or not). Call on every
+    rank."""
+    model = torch.nn.Linear(1, 1, bias=False)
+    with torch.no_grad():
+        model.weight.fill_(0.5)
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "managed_gradient_accumulation": False,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.125}},
+        "zero_optimization": {"stage": stage},
+        "zero_allow_untested_optimizer": True,
+        "gradient_clipping": 0.0,
+        "fp16": {"enabled": True, "initial_scale_power": scale_power, "loss_scale_window": 1},
+        "steps_per_print": 10**9,
+    }
+    if library == "gas_lab":
+        engine = Fp16Loop(model, config, stage0_as_deepspeed=stage0_as_deepspeed)
+    else:
+        import deepspeed
+
+        engine, *_ = deepspeed.initialize(
+            model=model, model_parameters=model.parameters(), config=config
+        )
+    out = {"scale": [], "update": [], "first_grad": None}
+    for step in range(steps):
+        before = engine.module.weight.item()
+        loss = engine(torch.ones(1, 1, dtype=torch.float16)).float().sum() * loss_factor
+        engine.backward(loss)
+        if step == 0:
+            out["first_grad"] = engine.module.weight.grad.item()
+        engine.step()
+        out["update"].append(before - engine.module.weight.item())
+        out["scale"].append(_loss_scale(engine))
+    return out
 
 
 # The plan the GPU checks use: infs in micro-batch 1 of step 2, micro-batch 0 of step 6 and

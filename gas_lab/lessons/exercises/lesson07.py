@@ -27,7 +27,7 @@ from gas_lab.accumulate import (
 )
 from gas_lab.dp import global_count
 from gas_lab.lessons.exercises.on_ranks import run_on_ranks
-from gas_lab.lessons.exercises.verdict import Verdict, check_cases
+from gas_lab.lessons.exercises.verdict import Miss, Verdict, check_cases
 from gas_lab.lessons.exercises.verdict import hint as hint  # lessonNN.hint()
 from gas_lab.lessons.rollouts import capstone_config, reference_run, rollouts, to_device
 from gas_lab.toys import TinyTransformer, flat_params
@@ -97,7 +97,7 @@ def _sequence_case(fn: Callable, world_size: int, step: int) -> Callable[[], dic
     return run
 
 
-def _judge_sequence(r: dict) -> str | None:
+def _judge_sequence(r: dict) -> Miss | None:
     got, ref, per_rank = r["got"], r["ref"], r["per_rank"]
     err = compare_grads(got, ref)
     if err.max_rel < TOL:
@@ -108,26 +108,34 @@ def _judge_sequence(r: dict) -> str | None:
     factor = (dot / sum(ref[k].double().pow(2).sum() for k in ref)).item()
     if compare_grads(got, {k: v * factor for k, v in ref.items()}).max_rel < TOL:
         if abs(factor * w - 1) < 1e-3:
-            return (
-                f"the step's gradient is 1/{w} of the objective's: DeepSpeed AVERAGES the "
-                f"{w} ranks' gradients, so multiply by world_size."
+            return Miss(
+                f"the right direction, but the step's gradient is 1/{w} of the objective's, "
+                f"with {w} ranks.",
+                f"DeepSpeed AVERAGES the {w} ranks' gradients: multiply the loss by world_size.",
             )
-        return f"right direction, {factor:.3g} x the objective's size."
+        return Miss(f"the right direction, but {factor:.3g} x the objective's size.")
     for name, mistake in _MISTAKES.items():
         if compare_grads(got, _rank_averaged_gradient(per_rank, mistake)).max_rel >= TOL:
             continue
         return {
-            "per-token": f"that is the per-token objective (long sequences weigh more); {off}.",
-            "own sequences": (
-                "each rank divided by its OWN sequences: after DeepSpeed's average every rank "
-                f"weighs the same, whatever it holds; {off}. Use all_sequences."
+            "per-token": Miss(
+                f"long sequences weigh more than short ones: your gradient is the per-token "
+                f"objective's, {off}.",
+                "average each row over its own real tokens first: (tl * mask).sum(1) / "
+                "mask.sum(1).",
             ),
-            "micro-batch mean": (
-                "every token of a micro-batch weighs the same (its mean over the micro-batch's "
-                f"tokens), not every token of a sequence; {off}."
+            "own sequences": Miss(
+                f"with ranks of different sizes, each rank's sequences together weigh the same "
+                f"as every other rank's; {off}.",
+                "divide by the step's sequences on ALL ranks (all_sequences), not this rank's.",
+            ),
+            "micro-batch mean": Miss(
+                f"every token of a micro-batch weighs the same, whatever its sequence's length; "
+                f"{off}.",
+                "take each sequence's (row's) mean over its own real tokens, not the micro-batch's.",
             ),
         }[name]
-    return f"the gradient differs from the sequence-mean objective's: {err}."
+    return Miss(f"the gradient differs from the sequence-mean objective's: {err}.")
 
 
 def check_sequence_mean_loss(fn: Callable) -> Verdict:
@@ -142,9 +150,10 @@ def check_sequence_mean_loss(fn: Callable) -> Verdict:
     return check_cases(
         "a sequence-level mean on ragged ranks",
         cases,
-        "every SEQUENCE of the step weighs the same, its tokens sharing its weight: a row's "
-        "loss is its token mean ((tl * mask).sum(1) / mask.sum(1)); sum those, divide by the "
-        "step's sequences on every rank, and undo DeepSpeed's average over ranks once.",
+        "every SEQUENCE of the step weighs the same, and its tokens share its weight: a row's "
+        "loss is its mean over its own real tokens; every row of the step weighs one over the "
+        "step's sequences on every rank; and DeepSpeed's average over ranks is undone once.",
+        where="section 1 (*The idea*): the same reasoning, with tokens instead of sequences",
     )
 
 
@@ -201,7 +210,7 @@ def check_trainer(fn: Callable, cluster) -> Verdict:
         return measured
 
     def after(step: int):
-        def judge(m) -> str | None:
+        def judge(m) -> Miss | None:
             per_rank, reference = m["per_rank"], m["reference"]
             drift = [
                 max((r["params"][s] - reference[s]).abs().max().item() for r in per_rank)
@@ -209,15 +218,18 @@ def check_trainer(fn: Callable, cluster) -> Verdict:
             ]
             if drift[step] <= TOL:
                 return None
-            tokens = [sum(r["tokens"][s] for r in per_rank) for s in range(STEPS)]
             shown = ", ".join(f"{d:.1e}" for d in drift)
-            lead = f"drift from the reference after each step: {shown}; the steps' tokens: {tokens}"
+            lead = (
+                f"drift from the reference after each step: {shown} (float32 rounding: < {TOL:g})"
+            )
             if step > 0:
-                return (
-                    f"{lead}. Step 1 is right and step {step + 1} is not: what does step "
-                    f"{step + 1} use that still comes from step 1?"
+                return Miss(
+                    f"{lead}. Step 1 is right and step {step + 1} is not.",
+                    f"what does step {step + 1} use that still comes from step 1? Each step has "
+                    "its own rollouts, so its own token count: all-reduce it every step, on "
+                    "every rank, before the step's first backward.",
                 )
-            return f"{lead}. Already the first step is wrong."
+            return Miss(f"{lead}. Already the first step is wrong.")
 
         return judge
 
@@ -226,4 +238,5 @@ def check_trainer(fn: Callable, cluster) -> Verdict:
         [(f"after step {s + 1} of {STEPS}", run, after(s)) for s in range(STEPS)],
         "each step has its own rollouts, so its own token count: all-reduce it every step, on "
         "every rank, before the step's first backward (one all-reduce per step is the price).",
+        where="section 4 (*Build it inline: one step on the ranks*): what the loop counts, and when",
     )
