@@ -26,7 +26,7 @@ At ZeRO stage 0 DeepSpeed 0.19.8 does two more things, reproduced while
   (``unfused_optimizer.py:412-425``, ``fused_optimizer.py:125-130``), so Adam's bias correction
   counts one step more than a fresh Adam's.
 
-The loss scaler itself is :mod:`gas_lab.deepspeed_compat.loss_scaling`; the whole topic is taught in lesson 07.
+The loss scaler itself is :mod:`gas_lab.deepspeed_compat.loss_scaling`; the whole topic is taught in appendix A1.
 """
 
 from __future__ import annotations

@@ -32,8 +32,7 @@ With gradient accumulation the scale is a property of the *step*, not of the mic
 The training loop that uses it, counting steps like DeepSpeed's engine, is
 :class:`gas_lab.deepspeed_compat.fp16.Fp16Loop`.
 
-Taught in lesson 07 (``tutorials/07_capstone.ipynb``, section "fp16 loss scaling with
-accumulation").
+Taught in appendix A1 (``tutorials/A1_fp16_loss_scaling.ipynb``).
 """
 
 from __future__ import annotations
