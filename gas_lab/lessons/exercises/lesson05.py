@@ -284,7 +284,9 @@ def _traffic_case(fn: Callable, letter: str, cluster):
         got = {k: tuple(int(v) for v in cb) for k, cb in got.items() if tuple(cb) != (0, 0)}
         if got == want:
             return None
-        return Miss(traffic_differences(got, want) + ".", _traffic_fix(t, cluster.world_size, got, want))
+        return Miss(
+            traffic_differences(got, want) + ".", _traffic_fix(t, cluster.world_size, got, want)
+        )
 
     return (f"run {letter}", run, judge)
 
