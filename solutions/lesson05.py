@@ -22,7 +22,7 @@ def accumulate_shard(micro_grads, group):
 
 
 def traffic_predictions():
-    """Exercise 2: {kind: (calls, bytes)} summed over each run, on one rank, 2 ranks."""
+    """Exercise 2: {kind: (calls, bytes)} of each one-step run, on one rank, 2 ranks."""
     return {
         # stage 0, no clipping: the gradient only (58 floats = 232 bytes)
         "A": {"all_reduce": (1, 232)},
@@ -32,8 +32,8 @@ def traffic_predictions():
         "C": {"all_reduce": (2, 152), "all_gather": (1, 160)},
         # the reduce-scatter works on the padded buffer too
         "D": {"reduce_scatter": (1, 160), "all_reduce": (1, 4), "all_gather": (1, 160)},
-        # two steps of run B's traffic (with clipping, which changes nothing at stage 1)
-        "E": {"all_reduce": (4, 472), "all_gather": (2, 480)},
+        # a reduce to each owner, of the real elements it owns: [0, 20) and [20, 37) of the 37
+        "E": {"reduce": (2, 148), "all_reduce": (1, 4), "all_gather": (1, 160)},
     }
 
 

@@ -1,4 +1,5 @@
-"""Reference solutions for lesson 09's exercises (tutorials/09_beyond_zero1.ipynb).
+"""Reference solutions for lesson 09's exercises (tutorials/09_beyond_zero1.ipynb), and for
+appendix A5's (tutorials/A5_memory_and_offload.ipynb), lesson 09's memory side.
 
 Kept apart from the notebook so an instructor can hand out one without the other.
 """
@@ -32,14 +33,18 @@ def sum_weight(real, n, total, world):
     return 1.0 / total if real else 0.0
 
 
-def lowest_stage_that_fits(numel, world, budget):
-    """Exercise 3: the first stage, from 0 up, whose projected bytes per rank fit."""
-    from gas_lab.measure.memory import project_census
-
-    for stage in range(4):
-        if sum(project_census(numel, world, stage).values()) <= budget:
-            return stage
-    return None
+def ranks_needed(params, stage, budget):
+    """Appendix A5's exercise: per parameter 2 + 2 + 12 bytes (bf16 weights and gradients, fp32
+    master and Adam moments); what the stage shards is divided by W, the rest is a floor."""
+    sharded_from = {"master": 1, "moments": 1, "gradients": 2, "weights": 3}
+    size = {"master": 4, "moments": 8, "gradients": 2, "weights": 2}
+    whole = sum(size[k] for k in size if stage < sharded_from[k]) * params
+    sharded = 16 * params - whole
+    if whole + sharded <= budget:
+        return 1
+    if budget <= whole:  # no number of ranks shrinks the floor
+        return None
+    return -(-sharded // (budget - whole))  # the smallest W with whole + sharded / W <= budget
 
 
 if __name__ == "__main__":
@@ -50,6 +55,6 @@ if __name__ == "__main__":
     try:
         print(lesson09.check_traffic_predictions(traffic_predictions, cluster))
         print(lesson09.check_sum_weight(sum_weight, cluster))
-        print(lesson09.check_lowest_stage(lowest_stage_that_fits))
+        print(lesson09.check_ranks_needed(ranks_needed))
     finally:
         cluster.stop()

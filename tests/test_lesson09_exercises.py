@@ -1,15 +1,25 @@
-"""Lesson 09 checkers: solutions pass, untouched stubs are 'todo', typical mistakes are named."""
+"""Lesson 09 checkers (and appendix A5's, which lives in lesson09): solutions pass, untouched
+stubs are 'todo', typical mistakes are named on a first try without the fix, and the fix comes
+on the second try."""
 
 import copy
 
 import pytest
-from exercise_support import assert_failed, assert_todo, load_solutions, todo
+from exercise_support import (
+    assert_failed,
+    assert_hint_on_second_try,
+    assert_todo,
+    first_try,
+    load_solutions,
+    todo,
+)
 
 from gas_lab.lessons.exercises.lesson09 import (
-    check_lowest_stage,
+    check_ranks_needed,
     check_sum_weight,
     check_traffic_predictions,
 )
+from gas_lab.lessons.exercises.verdict import reset_tries
 
 SOL = load_solutions(9)
 
@@ -34,18 +44,25 @@ def _changed(letter, kind, value):
 
 @pytest.mark.ranks
 @pytest.mark.parametrize(
-    "letter, kind, value, words",
+    "letter, kind, value, differs, fix",
     [
-        ("A", "all_reduce", (4, 3 * 232 + 4), ["more than one all-reduce"]),  # one per backward
-        ("B", "all_reduce", (1, 4), ["float64"]),
-        ("C", "all_reduce", (2, 2 * 148), ["even with gradient_clipping 0"]),
-        ("C", "all_gather", (1, 148), ["PADDED"]),
-        ("D", "all_gather", (1, 232), ["one tensor at a time"]),
+        ("A", "all_reduce", (4, 3 * 232 + 4), "all_reduce: too few calls",
+         "more than one all-reduce"),  # one per backward
+        ("B", "all_reduce", (1, 4), "all_reduce: too few bytes", "float64"),
+        ("C", "all_reduce", (2, 2 * 148), "all_reduce: too few calls",
+         "even with gradient_clipping 0"),
+        ("C", "all_gather", (1, 148), "all_gather: too few bytes", "PADDED"),
+        ("D", "all_gather", (1, 232), "all_gather: too few calls", "one tensor at a time"),
     ],
-)
-def test_typical_traffic_mistakes_are_named(cluster, letter, kind, value, words):
-    verdict = check_traffic_predictions(_changed(letter, kind, value), cluster)
-    assert_failed(verdict, f"run {letter}", *words)
+)  # fmt: skip
+def test_typical_traffic_mistakes_are_named(cluster, letter, kind, value, differs, fix):
+    verdict = first_try(check_traffic_predictions, _changed(letter, kind, value), cluster)
+    assert_failed(verdict, f"run {letter}", differs)
+    for calls, nbytes in SOL.traffic_predictions()[letter].values():  # nothing to copy
+        assert f"({calls}, {nbytes})" not in verdict.message
+    reset_tries()
+    wrong = _changed(letter, kind, value)
+    assert_hint_on_second_try(lambda: check_traffic_predictions(wrong, cluster), fix)
 
 
 # ---------------------------------------------------------------- exercise 2 (ranks)
@@ -70,43 +87,68 @@ def _padding_counts(real, n, total, world):
 
 @pytest.mark.ranks
 @pytest.mark.parametrize(
-    "fn, words",
+    "fn, differs, fix",
     [
-        (_mean_weight, ["does not divide by W"]),
-        (_per_rank, ["this rank's n"]),
-        (_padding_counts, ["weigh it 0"]),
+        (_mean_weight, "W times the mean", "does not divide by W"),
+        (_per_rank, "its own rank's count", "whichever rank ran it"),
+        (_padding_counts, "adds to the update", "weigh it 0"),
     ],
 )
-def test_typical_weight_mistakes_are_named(cluster, fn, words):
-    verdict = check_sum_weight(fn, cluster)
-    assert_failed(verdict, "ranks with 2 and 1, then 1 and 3 micro-batches", *words)
+def test_typical_weight_mistakes_are_named(cluster, fn, differs, fix):
+    verdict = first_try(check_sum_weight, fn, cluster)
+    assert_failed(verdict, "ranks with 2 and 1, then 1 and 3 micro-batches", differs)
+    assert "Look again at: section 8" in verdict.details[0]
+    reset_tries()
+    assert_hint_on_second_try(lambda: check_sum_weight(fn, cluster), fix)
 
 
-# ---------------------------------------------------------------- exercise 3 (one process)
-def test_lowest_stage_solution_passes_and_stub_is_todo():
-    verdict = check_lowest_stage(SOL.lowest_stage_that_fits).raise_if_failed()
+# ---------------------------------------------------------------- appendix A5 (one process)
+def test_ranks_needed_solution_passes_and_stub_is_todo():
+    verdict = check_ranks_needed(SOL.ranks_needed).raise_if_failed()
     assert verdict.cases_passed == verdict.cases_total >= 5
-    assert_todo(check_lowest_stage(todo))
+    assert_todo(check_ranks_needed(todo))
 
 
-def test_highest_stage_is_named():
-    from gas_lab.measure.memory import project_census
+def _all_sharded(params, stage, budget):  # ZeRO-1 divides everything by W: it does not
+    w = 1
+    while 16 * params / (w if stage >= 1 else 1) > budget:
+        if stage == 0:
+            return None
+        w += 1
+    return w
 
-    def highest(numel, world, budget):
-        fits = [s for s in range(4) if sum(project_census(numel, world, s).values()) <= budget]
-        return max(fits) if fits else None
 
-    assert_failed(check_lowest_stage(highest), "7e+09 weights, 8 ranks, 8e+10 bytes", "LOWEST")
+def _fp32(params, stage, budget):  # 4 + 4 + 4 + 8 bytes per parameter
+    sizes = {"weights": (4, 3), "gradients": (4, 2), "master": (4, 1), "moments": (8, 1)}
+    for w in range(1, 10**4):
+        if sum(n * params / (w if stage >= s else 1) for n, s in sizes.values()) <= budget:
+            return w
+    return None
 
 
-def test_strict_budget_is_named():
-    from gas_lab.measure.memory import project_census
+def _search_forever(params, stage, budget):  # no floor: never ends where no W fits
+    w = 1
+    while (2 + 2 + 12 / (w if stage >= 1 else 1)) * params > budget:
+        w += 1
+    return w
 
-    def strict(numel, world, budget):
-        for stage in range(4):
-            if sum(project_census(numel, world, stage).values()) < budget:
-                return stage
-        return None
 
-    verdict = check_lowest_stage(strict)
-    assert_failed(verdict, "1e+09 weights, 2 ranks, 1.4e+10 bytes", "(<=)")
+def _one_too_many(params, stage, budget):
+    w = SOL.ranks_needed(params, stage, budget)
+    return None if w is None else w + 1
+
+
+@pytest.mark.parametrize(
+    "fn, case, differs, fix",
+    [
+        (_all_sharded, "7B parameters, stage 1, 40 GB", "over the 40 GB budget", "only the fp32"),
+        (_fp32, "7B parameters, stage 1, 40 GB", "no number of ranks fits", "2 + 2 + 12"),
+        (_search_forever, "7B parameters, stage 2, 20 GB", "no answer within", "floor"),
+        (_one_too_many, "7B parameters, stage 3, 80 GB", "fewer ranks fit too", "SMALLEST"),
+    ],
+)
+def test_ranks_needed_mistakes_are_named(fn, case, differs, fix):
+    verdict = first_try(check_ranks_needed, fn)
+    assert_failed(verdict, case, differs)
+    reset_tries()
+    assert_hint_on_second_try(lambda: check_ranks_needed(fn), fix)

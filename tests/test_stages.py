@@ -69,24 +69,64 @@ def _census(lib, stage, wide, extra):
     )
 
 
+# The rows a memory table prints (appendix A5), per category and stage: 1,024 weights on 4
+# ranks (no padding), one param group. fp32: 4-byte weights and gradients, no master at stage 0
+# (the optimizer steps the weights), an fp32 master and Adam's two moments (4 + 8) sharded from
+# stage 1. bf16 mixed precision: 2 + 2 bytes of bf16 weights and gradients, 4 + 8 of fp32
+# master and moments at every stage. Plus one 4-byte Adam step counter.
+ROWS = {
+    "fp32": [
+        {"weights": 4096, "master": 0, "gradients": 4096, "optimizer state": 8192 + 4},
+        {"weights": 4096, "master": 1024, "gradients": 4096, "optimizer state": 2048 + 4},
+        {"weights": 4096, "master": 1024, "gradients": 1024, "optimizer state": 2048 + 4},
+        {"weights": 1024, "master": 1024, "gradients": 1024, "optimizer state": 2048 + 4},
+    ],
+    "bf16": [
+        {"weights": 2048, "master": 4096, "gradients": 2048, "optimizer state": 8192 + 4},
+        {"weights": 2048, "master": 1024, "gradients": 2048, "optimizer state": 2048 + 4},
+        {"weights": 2048, "master": 1024, "gradients": 512, "optimizer state": 2048 + 4},
+        {"weights": 512, "master": 1024, "gradients": 512, "optimizer state": 2048 + 4},
+    ],
+}
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_projected_rows_per_category_and_stage(precision):
+    for stage, row in enumerate(ROWS[precision]):
+        assert project_census(1024, 4, stage, precision=precision) == row
+    # bytes per parameter at stage 0: 4 + 4 + 8 in fp32, 2 + 2 + 12 in bf16 mixed precision
+    assert sum(project_census(1024, 4, 0, tensors=0, precision=precision).values()) == 16 * 1024
+    with pytest.raises(ValueError, match="precision 'fp16'"):
+        project_census(1024, 4, 0, precision="fp16")
+
+
 @pytest.mark.ranks
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("wide", [False, True], ids=["tiny", "wide-1M"])
-def test_memory_per_rank_by_stage(cluster, wide):
+def test_memory_per_rank_by_stage(cluster, wide, precision):
     from gas_lab.toys import tiny_model as tiny
 
     model = (wide_mlp if wide else tiny)(0)
     numel, tensors = sum(p.numel() for p in model.parameters()), len(list(model.parameters()))
+    size = 2 if precision == "bf16" else 4  # bytes of a weight and of a gradient
+    extra = {"bf16": {"enabled": True}} if precision == "bf16" else {}
     got = {}
-    for lib, stages in (("gas_lab", range(3)), ("deepspeed", range(4))):
+    for lib, stages in (
+        ("gas_lab", range(3 if precision == "fp32" else 2)),
+        ("deepspeed", range(4)),
+    ):
         for stage in stages:
-            got[lib, stage] = cluster.run(_census, lib, stage, wide, {}, timeout=180)
+            got[lib, stage] = cluster.run(_census, lib, stage, wide, extra, timeout=180)
     model_side = CATEGORIES[:4]
     for stage in range(3):
-        projected = project_census(numel, 2, stage, tensors if stage == 0 else 1)
+        projected = project_census(numel, 2, stage, tensors if stage == 0 else 1, precision)
         for rank in range(2):
-            ours = got["gas_lab", stage][rank]
-            assert {k: ours[k] for k in model_side} == projected  # exactly the projection
             theirs = got["deepspeed", stage][rank]
+            if ("gas_lab", stage) in got:
+                ours = got["gas_lab", stage][rank]
+                assert {k: ours[k] for k in model_side} == projected  # exactly the projection
+            else:  # bf16 at stage 2: gas_lab refuses it; DeepSpeed's rows against the projection
+                ours = projected
             for k in ("weights", "master", "optimizer state"):
                 assert ours[k] == theirs[k], (stage, k)
             # DeepSpeed keeps whole gradients of the parameters overlapping its shard at
@@ -94,21 +134,21 @@ def test_memory_per_rank_by_stage(cluster, wide):
             if stage < 2:
                 assert ours["gradients"] == theirs["gradients"]
             else:
-                assert ours["gradients"] < theirs["gradients"] <= 4 * numel
+                assert ours["gradients"] < theirs["gradients"] <= size * numel
     three = got["deepspeed", 3][0]
     two = got["deepspeed", 2][0]
     assert three["gradients"] <= two["gradients"]
     if wide:  # the 1M-element weight is partitioned: a rank holds about half the weights
         assert three["weights"] < two["weights"]
     else:  # every tensor is under stage3_param_persistence_threshold: kept whole, and its
-        # partition (the size of the master partition) as well
-        assert three["weights"] == 4 * numel + three["master"]
-    stage3 = project_census(numel, 2, 3)
+        # partition (the size of the master partition, in the weights' dtype) as well
+        assert three["weights"] == size * numel + three["master"] * size // 4
+    stage3 = project_census(numel, 2, 3, precision=precision)
     for k in ("master", "gradients"):  # per-tensor partitions: within a few elements
         assert abs(three[k] - stage3[k]) <= 4 * tensors
-    # the reduction bucket: reduce_bucket_size elements, held at stages 1 (while accumulating)
-    # and 3 by DeepSpeed, allocated per backward at stage 2
-    bucket = 4 * 500_000_000
+    # the reduction bucket: reduce_bucket_size elements of the gradients' dtype, held at stages
+    # 1 (while accumulating) and 3 by DeepSpeed, allocated per backward at stage 2
+    bucket = size * 500_000_000
     assert [got["deepspeed", s][0]["bucket"] for s in range(4)] == [0, bucket, 0, bucket]
 
 
@@ -188,3 +228,51 @@ def test_padding_to_the_longest_rank_trains_right(cluster, lib, stage):
         else:
             assert reduce_scatters == backward_reductions
     assert torch.equal(ranks[0][0], ranks[1][0])
+
+
+# ---------------------------------------------------------------- where the division by W happens
+def _division(lib, stage, zero):
+    from gas_lab.measure.stages import division
+
+    out = division(lib, config(stage, managed=False, zero_optimization=zero))
+    return out["calls"], round(out["sent"], 6), out["params"]
+
+
+@pytest.mark.ranks
+@pytest.mark.parametrize(
+    "stage, zero, calls, sent",
+    [
+        # stage 0: the engine's all-reduce, the sum divided afterwards
+        (0, {}, [("all_reduce", GRAD)], 1.0),
+        # stage 1, reduce_scatter true (default): divide by W first, then all-reduce the owners'
+        # slices together (use_multi_rank_bucket_allreduce, default true) ...
+        (1, {}, [("all_reduce", GRAD)], 0.5),
+        # ... or reduce each owner's slices to it: 30 and 28 real elements, no padding
+        (1, {"use_multi_rank_bucket_allreduce": False}, [("reduce", 120), ("reduce", 112)], 0.5),
+        # reduce_scatter false: gradient_reduction_w_predivide sums first, divides afterwards;
+        # use_multi_rank_bucket_allreduce is not read on that path
+        (1, {"reduce_scatter": False}, [("all_reduce", GRAD)], 1.0),
+        (1, {"reduce_scatter": False, "use_multi_rank_bucket_allreduce": False},
+         [("all_reduce", GRAD)], 1.0),
+        # contiguous_gradients false: a plain all-reduce, divided first
+        (1, {"contiguous_gradients": False}, [("all_reduce", GRAD)], 0.5),
+    ],
+)  # fmt: skip
+def test_where_the_gradient_is_divided_by_the_world_size(cluster, stage, zero, calls, sent):
+    runs = {
+        lib: cluster.run(_division, lib, stage, zero, timeout=120)
+        for lib in ("gas_lab", "deepspeed")
+    }
+    for lib, ranks in runs.items():
+        for got_calls, got_sent, _ in ranks:
+            assert (got_calls, got_sent) == (calls, sent), lib
+    for (_, _, ours), (_, _, theirs) in zip(runs["gas_lab"], runs["deepspeed"], strict=True):
+        assert torch.equal(ours, theirs)  # W = 2: dividing before or after gives the same bits
+
+
+@pytest.mark.ranks
+def test_division_refuses_a_stage_that_reduces_in_every_backward(cluster):
+    import gas_lab
+
+    with pytest.raises(gas_lab.RankError, match="every backward"):
+        cluster.run(_division, "gas_lab", 2, {}, timeout=60)

@@ -99,3 +99,32 @@ def plot_loss_curves(
         ax.set_title(title)
     fig.tight_layout()
     return fig
+
+
+def plot_shards(numels: Sequence[int], names: Sequence[str], worlds: Sequence[int]) -> Figure:
+    """ZeRO's flat vector (lesson 05): the tensors laid end to end, the zero padding, and the
+    shard each rank owns, one row per world size in ``worlds``
+    (:class:`gas_lab.zero1.Layout` computes where everything sits)."""
+    from gas_lab.zero1 import Layout
+
+    height = 0.9 + 1.2 * len(worlds)
+    fig, axes = plt.subplots(len(worlds), 1, figsize=(8, height), sharex=True)
+    axes = [axes] if len(worlds) == 1 else list(axes)
+    colours = plt.cm.tab10.colors
+    for ax, world in zip(axes, worlds, strict=True):
+        layout = Layout.of(numels, world)
+        for i, (offset, n) in enumerate(zip(layout.offsets, numels, strict=True)):
+            ax.barh(0, n, left=offset, color=colours[i % 10], edgecolor="white", label=names[i])
+        ax.barh(0, layout.padding, left=layout.numel, color="lightgrey", hatch="//",
+                label="padding")  # fmt: skip
+        for rank in range(world):
+            start, end = layout.shard(rank)
+            ax.axvline(start, color="black", lw=2)
+            ax.text((start + end) / 2, 0.55, f"rank {rank}", ha="center")
+        ax.axvline(layout.padded_numel, color="black", lw=2)
+        ax.set(yticks=[], ylim=(-0.5, 0.8))
+        ax.set_title(f"W = {world}: {world} shards of {layout.shard_size}")
+    axes[-1].set_xlabel("position in the flat vector (elements)")
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=5)
+    fig.tight_layout(rect=(0, 0.4 / height, 1, 1))  # room for the legend
+    return fig

@@ -112,7 +112,7 @@ _NAMES = (
 )
 
 
-def census(engine, depth: int = 4) -> dict[str, int]:
+def census(engine, depth: int = 4, paths: dict | None = None) -> dict[str, int]:
     """Bytes this rank holds for training, by category (:data:`CATEGORIES`), each storage
     counted once however many views point into it (the model's weights are views of a flat
     buffer at ZeRO-1/2). Works on a gas_lab or a DeepSpeed engine, at any ZeRO stage.
@@ -122,11 +122,13 @@ def census(engine, depth: int = 4) -> dict[str, int]:
     "master"), then the attributes of the strategy or ZeRO optimizer object (``depth`` levels),
     classified by attribute name. "bucket" is the reduction bucket: DeepSpeed allocates
     ``reduce_bucket_size`` elements for it (on a CPU, pages never written cost no RAM).
+    ``paths``, if a dict, receives where each storage was found first (``"module.0.weight"``,
+    ``"optimizer.state"``, ``".fp32_groups_flat_partition"``, ...) -> (category, bytes).
     """
     seen: set[int] = set()
     out = dict.fromkeys(CATEGORIES, 0)
 
-    def add(category: str, t) -> None:
+    def add(category: str, t, path: str) -> None:
         if not torch.is_tensor(t) or t.device.type == "meta":
             return
         storage = t.untyped_storage()
@@ -134,24 +136,27 @@ def census(engine, depth: int = 4) -> dict[str, int]:
             return
         seen.add(storage.data_ptr())
         out[category] += storage.nbytes()
+        if paths is not None:
+            held = paths.get(path, (category, 0))[1]
+            paths[path] = (category, held + storage.nbytes())
 
-    for p in engine.module.parameters():
-        add("weights", getattr(p, "ds_tensor", None))  # ZeRO-3: this rank's partition
-        add("weights", p.data)
-        add("gradients", p.grad)
+    for name, p in engine.module.named_parameters():
+        add("weights", getattr(p, "ds_tensor", None), f"module.{name}")  # ZeRO-3: a partition
+        add("weights", p.data, f"module.{name}")
+        add("gradients", p.grad, f"module.{name}.grad")
     opt = torch_optimizer(engine.optimizer)
     for state in opt.state.values():
         for value in state.values():
-            add("optimizer state", value)
+            add("optimizer state", value, "optimizer.state")
     for group in opt.param_groups:
         for p in group["params"]:
-            add("master", p)
-            add("gradients", p.grad)
+            add("master", p, "optimizer.param_groups")
+            add("gradients", p.grad, "optimizer.param_groups.grad")
 
     def walk(name: str, obj, levels: int) -> None:
         if torch.is_tensor(obj):
-            add(_category(name), obj)
-            add("gradients", obj.grad)
+            add(_category(name), obj, name)
+            add("gradients", obj.grad, f"{name}.grad")
         elif levels <= 0 or isinstance(obj, (torch.nn.Module, torch.optim.Optimizer)):
             return
         elif isinstance(obj, dict):
@@ -177,22 +182,44 @@ def _category(path: str) -> str:
     return "other"
 
 
-def project_census(numel: int, world_size: int, stage: int, tensors: int = 1) -> dict[str, int]:
-    """A projection, fp32 Adam: what a rank holds at a ZeRO stage for ``numel`` weights, by
+PRECISIONS = ("fp32", "bf16")
+#: Bytes per weight a rank holds, by category: fp32 training, and bf16 mixed precision (bf16
+#: weights and gradients, an fp32 master copy, Adam's two fp32 moments: 2 + 2 + 12).
+BYTES_PER_WEIGHT = {
+    "fp32": {"weights": 4, "master": 4, "gradients": 4, "optimizer state": 8},
+    "bf16": {"weights": 2, "master": 4, "gradients": 2, "optimizer state": 8},
+}
+#: The first ZeRO stage at which a rank keeps only its shard of each category.
+SHARDED_FROM = {"master": 1, "optimizer state": 1, "gradients": 2, "weights": 3}
+
+
+def project_census(
+    numel: int, world_size: int, stage: int, tensors: int = 1, precision: str = "fp32"
+) -> dict[str, int]:
+    """A projection, Adam: what a rank holds at a ZeRO stage for ``numel`` weights, by
     category, with gas_lab's layout (one padded flat vector cut into ``world_size`` shards).
 
-    Per element: weights 4 bytes (a shard of them at stage 3), the fp32 master copy 4 (a shard,
-    from stage 1), the gradient 4 (a shard from stage 2), Adam's two moments 8 (a shard from
-    stage 1); plus a 4-byte ``step`` counter per tensor the optimizer steps (``tensors``: the
-    model's tensors at stage 0, one per param group from stage 1). It reproduces gas_lab's
-    measured census exactly at stages 0-2; DeepSpeed holds more gradient at stage 2 (whole
-    gradients of the parameters that overlap a shard) and cuts each tensor apart at stage 3.
+    Per weight, :data:`BYTES_PER_WEIGHT` of each category, whole or (from
+    :data:`SHARDED_FROM`) a shard; ``precision`` ``"fp32"``: 4 + 4 + 8, and no master at
+    stage 0, where the optimizer steps on the weights themselves; ``"bf16"``: 2 + 2 + 4 + 8,
+    the fp32 master at every stage. Plus a 4-byte ``step`` counter per tensor the optimizer
+    steps (``tensors``: the model's tensors at stage 0, one per param group from stage 1).
+    fp32, it reproduces gas_lab's measured census exactly at stages 0-2; DeepSpeed holds more
+    gradient at stage 2 (whole gradients of the parameters that overlap a shard) and cuts each
+    tensor apart at stage 3.
     """
+    if precision not in BYTES_PER_WEIGHT:
+        raise ValueError(f"precision {precision!r}: one of {', '.join(PRECISIONS)}")
+    size = BYTES_PER_WEIGHT[precision]
     shard = Layout.of([numel], world_size).shard_size
     whole = numel if stage == 0 else shard * world_size  # ZeRO pads the flat vector
+
+    def held(category: str, elements: int) -> int:
+        return size[category] * (shard if stage >= SHARDED_FROM[category] else elements)
+
     return {
-        "weights": 4 * (shard if stage == 3 else whole),
-        "master": 0 if stage == 0 else 4 * shard,
-        "gradients": 4 * (numel if stage < 2 else shard),
-        "optimizer state": 8 * (numel if stage == 0 else shard) + 4 * tensors,
+        "weights": held("weights", whole),
+        "master": 0 if stage == 0 and precision == "fp32" else held("master", numel),
+        "gradients": held("gradients", numel),
+        "optimizer state": held("optimizer state", numel) + 4 * tensors,
     }

@@ -1,14 +1,15 @@
-"""Checkers for lesson 05's exercises (ZeRO: shards, reductions, what each step sends).
+"""Checkers for lesson 05's exercises (ZeRO-1: shards, reductions, what each step sends).
 
-1. :func:`check_shard_accumulation`: accumulate gradients the way stage 2 must (the lesson
-   counted it on DeepSpeed, but built only stage 1): reduce-scatter every micro-batch's
-   gradient as it comes and keep only your shard between micro-batches. The checker hands the
-   gradients out one at a time and counts the collectives.
-2. :func:`check_traffic_predictions`: predict the collectives (calls and bytes, per kind) of
-   optimizer steps the lesson did not measure: no clipping, a model whose size needs padding,
-   the reduce-scatter variant, two steps. The checker measures each on the notebook's ranks.
+1. :func:`check_shard_accumulation`: reduce every micro-batch's gradient as soon as it exists and
+   keep only this rank's shard between micro-batches (the schedule ZeRO-1 does not need, and
+   stage 2 will: lesson 09). The checker hands the gradients out one at a time, notes whether
+   each was asked for before the previous one was reduced, and checks the shard.
+2. :func:`check_traffic_predictions`: predict the collectives (calls and bytes, per kind) of runs
+   the lesson did not measure: no clipping, a model whose size needs padding, the reduce-scatter
+   variant, DeepSpeed's ``reduce`` to each owner. The checker measures each on the ranks.
 
-Both take the notebook's ``cluster``.
+Both take the notebook's ``cluster``. A first wrong try says what differs and where to look;
+the fix comes on a second wrong try of the same case, or from :func:`hint`.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from gas_lab.lessons.exercises.on_ranks import measured_once, run_on_ranks
-from gas_lab.lessons.exercises.verdict import Verdict, answer_for, check_cases
+from gas_lab.lessons.exercises.verdict import Miss, Verdict, answer_for, check_cases
 from gas_lab.lessons.exercises.verdict import hint as hint  # lessonNN.hint()
 from gas_lab.toys import micro_batch, tiny_model
 from gas_lab.zero1 import Layout
@@ -41,103 +42,117 @@ def _micro_grads(numel: int, n: int, rank: int, world: int) -> list[torch.Tensor
     ]
 
 
-def _handed_out_when_reduced(grads: list[torch.Tensor], log):
-    """Yield gradient k only once k collectives have run: the previous gradient was reduced
-    (and could be freed) before the next backward produced its gradient."""
-    for k, g in enumerate(grads):
-        if len(log) < k:
-            raise RuntimeError(
-                f"micro-batch {k + 1}'s gradient was asked for before micro-batch {k}'s was "
-                "reduced: stage 2 keeps no full gradient between backward passes, so each one "
-                "must be reduce-scattered as soon as it exists"
-            )
-        yield g.clone()
-
-
 def _shard_case(fn: Callable, numel: int, n: int) -> dict:
+    """On a rank: hand ``fn`` the gradients one at a time, noting each one asked for before a
+    collective had run since the previous one (two whole gradients held at once)."""
     from gas_lab.measure.comm import count_collectives
 
     rank, world = dist.get_rank(), dist.get_world_size()
+    grads = _micro_grads(numel, n, rank, world)
+    early: list[int] = []  # indices of the gradients asked for too early
+
     with count_collectives() as log:
-        out = fn(
-            _handed_out_when_reduced(_micro_grads(numel, n, rank, world), log), dist.group.WORLD
-        )
+
+        def handed_out():
+            for k, g in enumerate(grads):
+                if len(log) < k:
+                    early.append(k)
+                yield g.clone()
+
+        out = fn(handed_out(), dist.group.WORLD)
     got = out.detach().clone().reshape(-1) if torch.is_tensor(out) else out
-    return {"got": got, "calls": [(c.kind, c.bytes) for c in log.calls]}
+    return {"got": got, "early": early}
+
+
+def _shard_judge(world: int, result) -> Miss | None:
+    numel, n, per_rank = result
+    layout = Layout.of([numel], world)
+    local = [sum(_micro_grads(numel, n, r, world)) for r in range(world)]
+    mean = sum(local) / world
+    for rank, r in enumerate(per_rank):
+        got, (start, end) = r["got"], layout.shard(rank)
+        if not torch.is_tensor(got) or got.numel() != layout.shard_size:
+            size = f"{got.numel()} elements" if torch.is_tensor(got) else type(got).__name__
+            return Miss(
+                f"rank {rank} returned {size}; its shard has {layout.shard_size} elements.",
+                f"rank r keeps elements [r x S, (r + 1) x S) of the padded vector, S = its "
+                f"length / W ({layout.padded_numel} / {world} here).",
+            )
+        if (got - mean[start:end]).abs().max().item() <= TOL:
+            continue
+        if (got - world * mean[start:end]).abs().max().item() <= TOL:
+            return Miss(
+                f"rank {rank}'s shard is {world}x the average over the ranks.",
+                "a collective SUMS over the ranks; the average is that sum divided by W.",
+            )
+        for other in range(world):
+            lo, hi = layout.shard(other)
+            if other != rank and (got - mean[lo:hi]).abs().max().item() <= TOL:
+                return Miss(
+                    f"rank {rank} returned elements [{lo}, {hi}) of the average (rank {other}'s "
+                    f"shard); expected [{start}, {end}).",
+                    "rank r owns shard r: slice it with dist.get_rank(group).",
+                )
+        if (got - local[rank][start:end]).abs().max().item() <= TOL:
+            return Miss(
+                f"rank {rank} returned the shard of its own gradients, not of their average "
+                "over the ranks.",
+                "reduce each gradient over the ranks before you keep your part of it.",
+            )
+        return Miss(
+            f"rank {rank}'s shard is off the average over the ranks by up to "
+            f"{(got - mean[start:end]).abs().max():.3g}."
+        )
+    early = per_rank[0]["early"]
+    if early:
+        k = early[0]
+        return Miss(
+            f"the right shard, but micro-batch {k + 1}'s gradient was taken before micro-batch "
+            f"{k}'s had been reduced: {len(early) + 1} whole gradients were held at once.",
+            "reduce inside the loop: each gradient as soon as you receive it, then keep only "
+            "your shard of it in a running sum.",
+        )
+    return None
 
 
 def check_shard_accumulation(fn: Callable, cluster) -> Verdict:
     """Exercise 1: ``fn(micro_grads, group)`` gets this rank's per-micro-batch gradients (flat,
-    padded to a multiple of the world size) one at a time, and returns this rank's shard of the
-    accumulated gradient averaged over ranks, reducing every micro-batch's gradient at once."""
+    padded to a multiple of 2W) one at a time, and returns this rank's shard of their sum
+    averaged over the ranks, each gradient reduced before the next one is taken."""
     world = cluster.world_size
 
     def case(numel: int, n: int):
         return lambda: (numel, n, run_on_ranks(cluster, _shard_case, fn, numel, n))
 
-    def judge(result) -> str | None:
-        numel, n, per_rank = result
-        layout = Layout.of([numel], world)
-        local = [sum(_micro_grads(numel, n, r, world)) for r in range(world)]
-        mean = sum(local) / world
-        for rank, r in enumerate(per_rank):
-            got, (start, end) = r["got"], layout.shard(rank)
-            if not torch.is_tensor(got) or got.numel() != layout.shard_size:
-                size = got.numel() if torch.is_tensor(got) else type(got).__name__
-                return (
-                    f"rank {rank} returned {size} elements; its shard has {layout.shard_size} "
-                    f"(the padded {layout.padded_numel} / {world} ranks)."
-                )
-            if (got - mean[start:end]).abs().max().item() <= TOL:
-                continue
-            if (got - world * mean[start:end]).abs().max().item() <= TOL:
-                return (
-                    f"rank {rank}'s shard is {world}x the mean: that is the sum; divide by {world}."
-                )
-            for other in range(world):
-                lo, hi = layout.shard(other)
-                if other != rank and (got - mean[lo:hi]).abs().max().item() <= TOL:
-                    return f"rank {rank} returned rank {other}'s shard: rank r owns shard r."
-            if (got - local[rank][start:end]).abs().max().item() <= TOL:
-                return f"rank {rank} returned its own, unreduced gradient: reduce over ranks."
-            return f"rank {rank}'s shard is off by {(got - mean[start:end]).abs().max():.3g}."
-        calls = per_rank[0]["calls"]
-        full = layout.padded_numel * 4
-        if calls == [("reduce_scatter", full)] * n:
-            return None
-        kinds = sorted({kind for kind, _ in calls})
-        if kinds == ["all_reduce"]:
-            return (
-                f"right shard, but {len(calls)} all-reduces: each sends every rank the WHOLE "
-                f"reduced gradient, where a reduce-scatter gives each rank only its shard "
-                f"(half the traffic on a ring: (W-1)/W of the buffer instead of 2(W-1)/W)."
-            )
-        return f"right shard; collectives {calls}, expected {n} reduce_scatter of {full} bytes."
-
     return check_cases(
         "a gradient shard, reduced micro-batch by micro-batch",
         [
-            (f"{n} micro-batch(es), {numel} elements", case(numel, n), judge)
+            (
+                f"{n} micro-batch(es), {numel} elements",
+                case(numel, n),
+                lambda r: _shard_judge(world, r),
+            )
             for numel, n in ((58, 1), (58, 3), (43, 2))
         ],
-        "for each gradient: out = torch.empty(g.numel() // W); dist.reduce_scatter_tensor(out, "
-        "g, group=group) (shard r of the SUM lands on rank r); add out into your shard; at the "
-        "end divide by W.",
+        "for each gradient g: reduce it over the ranks (dist.all_reduce, or "
+        "dist.reduce_scatter_tensor, which leaves only your shard of the sum), add your shard "
+        "to a running sum; divide by W at the end.",
+        where="*Build it in steps* (step 2) and *All-reduce, or reduce-scatter?*",
     )
 
 
 # ---------------------------------------------------------------- exercise 2: predict the traffic
 @dataclass(frozen=True)
 class Traffic:
-    """An optimizer run whose collectives the learner predicts (summed over the run)."""
+    """A one-step optimizer run whose collectives the learner predicts."""
 
     library: str  # "deepspeed", or "gas_lab" for ZeRO-1 with a reduce-scatter
     stage: int
     managed: bool
-    micro_batches: int  # per optimizer step (= GAS when managed)
+    micro_batches: int  # in the step (= GAS when managed)
     clipping: float
     hidden: int = 8  # tiny_model's hidden width: 8 gives the lesson's 58 weights
-    steps: int = 1
+    zero: tuple = ()  # more zero_optimization keys, as (key, value) pairs
 
     @property
     def numel(self) -> int:
@@ -146,10 +161,11 @@ class Traffic:
     def show(self) -> str:
         mode = "managed" if self.managed else "unmanaged"
         reduce = ", gradients reduce-scattered" if self.library == "gas_lab" else ""
+        keys = "".join(f", {k} {str(v).lower()}" for k, v in self.zero)
         return (
-            f"{self.library}, ZeRO stage {self.stage}{reduce}, {mode}, {self.micro_batches} "
-            f"micro-batches per step, gradient_clipping {self.clipping}, a model of "
-            f"{self.numel} weights, {self.steps} optimizer step(s)"
+            f"{self.library}, ZeRO stage {self.stage}{reduce}{keys}, {mode}, "
+            f"{self.micro_batches} micro-batches, gradient_clipping {self.clipping}, a model of "
+            f"{self.numel} weights, one optimizer step"
         )
 
 
@@ -158,7 +174,9 @@ TRAFFIC = {
     "B": Traffic("deepspeed", 1, True, 3, 0.0),
     "C": Traffic("deepspeed", 1, False, 2, 1.0, hidden=5),
     "D": Traffic("gas_lab", 1, False, 2, 1.0, hidden=5),
-    "E": Traffic("deepspeed", 1, True, 2, 1.0, steps=2),
+    "E": Traffic(
+        "deepspeed", 1, False, 2, 1.0, hidden=5, zero=(("use_multi_rank_bucket_allreduce", False),)
+    ),  # fmt: skip
 }
 
 
@@ -168,7 +186,7 @@ def _config(t: Traffic) -> dict:
         "gradient_accumulation_steps": t.micro_batches,
         "managed_gradient_accumulation": t.managed,
         "gradient_clipping": t.clipping,
-        "zero_optimization": {"stage": t.stage},
+        "zero_optimization": {"stage": t.stage, **dict(t.zero)},
         "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}},
         "steps_per_print": 10**9,
     }
@@ -181,7 +199,7 @@ def _measure_traffic(t: Traffic) -> dict[str, tuple[int, int]]:
     from gas_lab.deepspeed_compat.engine import initialize
     from gas_lab.deepspeed_compat.strategies import strategy_for
     from gas_lab.measure.comm import count_collectives
-    from gas_lab.measure.parity import deepspeed_initialize
+    from gas_lab.measure.parity import deepspeed_initialize, quiet_deepspeed
 
     if t.library == "gas_lab":
         init = functools.partial(initialize, strategy=strategy_for(1, reduce="reduce_scatter"))
@@ -189,15 +207,14 @@ def _measure_traffic(t: Traffic) -> dict[str, tuple[int, int]]:
         init = deepspeed_initialize()
     model = tiny_model(0, hidden=t.hidden)
     engine = init(model=model, model_parameters=model.parameters(), config=_config(t))[0]
-    with count_collectives() as log:
-        for step in range(t.steps):
-            for m in range(t.micro_batches):
-                x, y = micro_batch(0, step, m, dist.get_rank(), 2)
-                engine.backward(torch.nn.functional.mse_loss(engine(x), y))
-                if t.managed:
-                    engine.step()
-            if not t.managed:
+    with count_collectives() as log, quiet_deepspeed():
+        for m in range(t.micro_batches):
+            x, y = micro_batch(0, 0, m, dist.get_rank(), 2)
+            engine.backward(torch.nn.functional.mse_loss(engine(x), y))
+            if t.managed:
                 engine.step()
+        if not t.managed:
+            engine.step()
     return {kind: (row["calls"], row["bytes"]) for kind, row in log.by_kind().items()}
 
 
@@ -209,6 +226,50 @@ def measured_traffic(letter: str, cluster) -> dict[str, tuple[int, int]]:
     )
 
 
+def traffic_differences(got: dict, want: dict) -> str:
+    """What differs between two ``{kind: (calls, bytes)}``, kind by kind, without the measured
+    numbers (lessons 05 and 09: a first wrong try must not hand out the answer)."""
+    parts = []
+    for kind in sorted(set(got) | set(want)):
+        if kind not in want:
+            parts.append(f"you listed {kind}, which the run does not issue")
+        elif kind not in got:
+            parts.append(f"the run also issues {kind}")
+        else:
+            for i, what in enumerate(("calls", "bytes")):
+                if got[kind][i] != want[kind][i]:
+                    side = "too many" if got[kind][i] > want[kind][i] else "too few"
+                    parts.append(f"{kind}: {side} {what}")
+    return "; ".join(parts)
+
+
+def _traffic_fix(t: Traffic, world: int, got: dict, want: dict) -> str | None:
+    """The fix for the mistake this answer makes, when it is a known one."""
+    layout = Layout.of([t.numel], world)
+    for kind in ("all_gather", "reduce_scatter"):
+        if kind in want and got.get(kind, (0, 0))[1] == want[kind][0] * 4 * t.numel:
+            return (
+                f"ZeRO works on the PADDED vector: {t.numel} weights are padded to a multiple of "
+                f"2W, {layout.padded_numel} elements, before they are cut into {world} shards."
+            )
+    norm = want.get("all_reduce", (0, 0))
+    if t.stage == 1 and t.clipping == 0.0 and got.get("all_reduce") == (norm[0] - 1, norm[1] - 4):
+        return (
+            "ZeRO-1 all-reduces the 4-byte gradient norm at every step, even with "
+            "gradient_clipping 0.0 (stage 0 skips it then)."
+        )
+    if t.stage == 0 and t.clipping == 0.0 and got.get("all_reduce") == (norm[0] + 1, norm[1] + 4):
+        return "stage 0 computes the norm only to clip: with gradient_clipping 0.0 it sends none."
+    if dict(t.zero).get("use_multi_rank_bucket_allreduce") is False and got.get(
+        "reduce"
+    ) != want.get("reduce"):
+        return (
+            "use_multi_rank_bucket_allreduce false: one reduce per owner, each carrying only the "
+            "real elements that owner's shard holds; the padding is never sent."
+        )
+    return None
+
+
 def _traffic_case(fn: Callable, letter: str, cluster):
     t = TRAFFIC[letter]
 
@@ -216,38 +277,16 @@ def _traffic_case(fn: Callable, letter: str, cluster):
         got = answer_for(fn, letter, "{'A': {'all_reduce': (1, 232)}, ...}")
         return got, measured_traffic(letter, cluster)
 
-    def judge(result) -> str | None:
+    def judge(result) -> Miss | None:
         got, want = result
         if not isinstance(got, dict):
-            return f"answer a dict {{kind: (calls, bytes)}}, got {got!r}."
+            return Miss(f"answer a dict {{kind: (calls, bytes)}}, got {got!r}.")
         got = {k: tuple(int(v) for v in cb) for k, cb in got.items() if tuple(cb) != (0, 0)}
         if got == want:
             return None
-        said = f"you said {got}, measured {want}"
-        layout = Layout.of([t.numel], cluster.world_size)
-        if any(
-            k in want and got.get(k) == (want[k][0], t.numel * 4)
-            for k in ("all_gather", "reduce_scatter")
-        ):
-            return (
-                f"{said}: ZeRO works on the PADDED vector: {t.numel} weights padded to "
-                f"{layout.padded_numel} ({layout.padded_numel * 4} bytes) for {cluster.world_size} shards."
-            )
-        norm = want.get("all_reduce", (0, 0))
-        if (
-            t.stage == 1
-            and t.clipping == 0.0
-            and got.get("all_reduce") == (norm[0] - t.steps, norm[1] - 4 * t.steps)
-        ):
-            return (
-                f"{said}: ZeRO-1 all-reduces the 4-byte gradient norm at every step even with "
-                "gradient_clipping 0.0 (stage 0 skips it): measured, not documented."
-            )
-        if t.steps > 1 and all(want[k][0] % t.steps == 0 for k in want):
-            per_step = {k: (c // t.steps, b // t.steps) for k, (c, b) in want.items()}
-            if got == per_step:
-                return f"{said}: that is one step's traffic; the run has {t.steps} steps."
-        return f"{said}."
+        return Miss(
+            traffic_differences(got, want) + ".", _traffic_fix(t, cluster.world_size, got, want)
+        )
 
     return (f"run {letter}", run, judge)
 
@@ -259,7 +298,9 @@ def check_traffic_predictions(fn: Callable[[], dict], cluster) -> Verdict:
     return check_cases(
         "predict the traffic",
         [_traffic_case(fn, letter, cluster) for letter in TRAFFIC],
-        "per optimizer step: the gradient reduction (all-reduce of the model's bytes, or "
+        "per optimizer step: the gradient reduction (an all-reduce of the real elements, or a "
         "reduce-scatter of the padded vector), a 4-byte norm all-reduce when clipping (and at "
         "stage 1 always), and at stage 1 an all-gather of the padded weights.",
+        where="*When each call communicates: the timeline* and *What DeepSpeed 0.19.8's stage 1 "
+        "sends, and where it divides*",
     )

@@ -5,7 +5,10 @@
    partitioned and managed accumulation, no clipping at stage 2, padding. Measured on the ranks.
 2. :func:`check_sum_weight`: the loss weight of :func:`gas_lab.lessons.loops.equal_n_train`
    under ``"gradient_allreduce_op": "sum"``; trains gas_lab's ZeRO-2 on the ranks with it.
-3. :func:`check_lowest_stage`: the lowest ZeRO stage whose projected memory fits a budget.
+
+A first wrong try says what differs and where to look; the fix comes on a second wrong try of
+the same case, or from :func:`hint`. (Which stage fits a memory budget: appendix A5's exercise,
+:mod:`gas_lab.lessons.exercises.appendix5`.)
 """
 
 from __future__ import annotations
@@ -14,10 +17,10 @@ import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from gas_lab.lessons.exercises.lesson05 import traffic_differences
 from gas_lab.lessons.exercises.on_ranks import measured_once, run_on_ranks
-from gas_lab.lessons.exercises.verdict import Verdict, answer_for, check_cases
+from gas_lab.lessons.exercises.verdict import Miss, Verdict, answer_for, check_cases
 from gas_lab.lessons.exercises.verdict import hint as hint  # lessonNN.hint()
-from gas_lab.measure.memory import project_census
 from gas_lab.toys import tiny_model
 from gas_lab.zero1 import Layout
 
@@ -83,35 +86,39 @@ def measured_traffic(letter: str, cluster) -> dict[str, tuple[int, int]]:
     )
 
 
-def _traffic_judge(t: Traffic, world: int, got, want) -> str | None:
-    if not isinstance(got, dict):
-        return f"answer a dict {{kind: (calls, bytes)}}, got {got!r}."
-    got = {k: tuple(int(v) for v in cb) for k, cb in got.items() if tuple(cb) != (0, 0)}
-    if got == want:
-        return None
-    said = f"you said {got}, measured {want}"
+def _traffic_fix(t: Traffic, world: int, got: dict, want: dict) -> str | None:
+    """The fix for the mistake this answer makes, when it is a known one."""
     grad = 4 * t.numel
-    reduce = got.get("all_reduce", (0, 0))
-    if t.stage == 3 and reduce[1] == want.get("all_reduce", (0, 0))[1] - 4:
-        return f"{said}: ZeRO-3 all-reduces the gradient norm in float64: 8 bytes, not 4."
+    reduce, want_reduce = got.get("all_reduce", (0, 0)), want.get("all_reduce", (0, 0))
+    if t.stage == 3 and reduce[1] == want_reduce[1] - 4:
+        return "ZeRO-3 all-reduces the gradient norm in float64: 8 bytes, not 4."
     if t.stage == 2 and t.clipping == 0.0 and reduce == (t.micro_batches, t.micro_batches * grad):
-        return f"{said}: stage 2 all-reduces the norm even with gradient_clipping 0."
+        return "stage 2 all-reduces the 4-byte norm even with gradient_clipping 0."
     if "reduce_bucket_size" in t.zero and reduce[0] == t.micro_batches + 1:
         return (
-            f"{said}: a bucket of {t.zero['reduce_bucket_size']} elements holds less than the "
+            f"a bucket of {t.zero['reduce_bucket_size']} elements holds less than the "
             f"{t.numel}-element gradient; it is reduced whenever the next tensor would overflow "
-            "it, so each backward() needs more than one all-reduce (count them, tensor by "
+            "it, so each backward() needs more than one all-reduce (count them tensor by "
             "tensor, in the order autograd finishes them: last layer first)."
         )
     padded = 4 * Layout.of([t.numel], world).padded_numel
     if t.stage < 3 and got.get("all_gather", (0, 0))[1] == grad and padded != grad:
-        return f"{said}: ZeRO-2 all-gathers the PADDED vector ({padded} bytes)."
+        return f"ZeRO-2 all-gathers the PADDED vector: {padded // 4} elements, a multiple of 2W."
     if t.stage == 3 and t.zero.get("stage3_param_persistence_threshold") == 0:
         if got.get("all_gather", (0, 0))[0] != want.get("all_gather", (0, 0))[0]:
-            return f"{said}: with the threshold at 0 every forward gathers the weights."
+            return "with the threshold at 0 every forward gathers the weights."
     if t.stage == 3 and got.get("all_gather", (0, 0))[0] == 1:
-        return f"{said}: the weights kept whole are all-gathered one tensor at a time."
-    return f"{said}."
+        return "the weights ZeRO-3 keeps whole are all-gathered one tensor at a time."
+    return None
+
+
+def _traffic_judge(t: Traffic, world: int, got, want) -> Miss | None:
+    if not isinstance(got, dict):
+        return Miss(f"answer a dict {{kind: (calls, bytes)}}, got {got!r}.")
+    got = {k: tuple(int(v) for v in cb) for k, cb in got.items() if tuple(cb) != (0, 0)}
+    if got == want:
+        return None
+    return Miss(traffic_differences(got, want) + ".", _traffic_fix(t, world, got, want))
 
 
 def check_traffic_predictions(fn: Callable[[], dict], cluster) -> Verdict:
@@ -130,8 +137,9 @@ def check_traffic_predictions(fn: Callable[[], dict], cluster) -> Verdict:
     return check_cases(
         "predict the traffic",
         [case(letter) for letter in TRAFFIC],
-        "section 6's lines: a fixed part per step (the norm, the all-gathers) plus the "
-        "gradient once per backward() at stages 2/3; then what each run changes.",
+        "a fixed part per step (the norm, the all-gathers) plus the gradient once per "
+        "backward() at stages 2/3; then what each run changes.",
+        where="section 7 (*Bytes per optimizer step against N, stages 0 to 3*)",
     )
 
 
@@ -140,7 +148,9 @@ SUM_CASES = {
     "ranks with 2 and 1, then 1 and 3 micro-batches": lambda step, rank: [(2, 1), (1, 3)][step][
         rank
     ],
-    "an idle rank": lambda step, rank: [(2, 0), (3, 3)][step][rank],
+    "ranks with 3 and 1, then 2 and 2 micro-batches": lambda step, rank: [(3, 1), (2, 2)][step][
+        rank
+    ],
 }
 
 
@@ -162,21 +172,33 @@ def _train_with_weight(case: str, weight: Callable) -> tuple:
     return flat_params(engine.module), reference_params(cfg, 2, micro_batches)
 
 
-def _sum_judge(fn: Callable, result) -> str | None:
+def _sum_judge(fn: Callable, result) -> Miss | None:
     params, reference = result
     err = (params - reference).abs().max().item()
     if err <= 1e-6:
         return None
-    said = f"max |your parameters - the reference| = {err:.2g}"
+    said = f"your parameters end {err:.2g} from the reference's"
     world, total, n = 2, 4, 1
-    if fn(False, n, total, world) != 0:
-        return f"{said}: a padding micro-batch must add nothing: weigh it 0."
-    real = fn(True, n, total, world)
+    padding, real = fn(False, n, total, world), fn(True, n, total, world)
+    if padding != 0:
+        return Miss(
+            f"{said}; a padding micro-batch weighs {padding:g}, so it adds to the update.",
+            "a padding micro-batch repeats a real one's data: weigh it 0 so it adds nothing.",
+        )
     if abs(real - world / total) < 1e-12:
-        return f"{said}: W / total is the mean's weight; a sum does not divide by W."
+        return Miss(
+            f"{said}; a real micro-batch weighs W / total, and the update came out W times "
+            "the mean.",
+            "W / total is the mean's weight: the ranks' average divides by W afterwards. A sum "
+            "does not divide by W, so each real micro-batch weighs 1 / total.",
+        )
     if abs(real - 1 / n) < 1e-12 or abs(real - 1 / (n * world)) < 1e-12:
-        return f"{said}: dividing by this rank's n weighs a rank's micro-batches by its own count."
-    return f"{said}: every real micro-batch of the step should weigh the same."
+        return Miss(
+            f"{said}; a real micro-batch's weight depends on its own rank's count n.",
+            "every real micro-batch of the step weighs the same, whichever rank ran it: divide "
+            "by the step's count over all ranks.",
+        )
+    return Miss(f"{said}.")
 
 
 def check_sum_weight(fn: Callable, cluster) -> Verdict:
@@ -195,6 +217,7 @@ def check_sum_weight(fn: Callable, cluster) -> Verdict:
         [case(name) for name in SUM_CASES],
         "with the sum, the ranks' gradients add up: the step's update is the sum over every "
         "rank's micro-batches of weight x gradient. Make that the mean over all real ones.",
+        where="section 8 (*Different N per rank at stage 2*): `loops.mean_weight`",
     )
 
 
@@ -202,50 +225,153 @@ def _on_rank_sum(fn, name):
     return _train_with_weight(name, fn)
 
 
-# ---------------------------------------------------------------- exercise 3: the lowest stage
-def lowest_stage(numel: int, world: int, budget: float):
-    for stage in range(4):
-        if sum(project_census(numel, world, stage).values()) <= budget:
-            return stage
-    return None
+# ---------------------------------------------------------------- appendix A5: how many ranks?
+# Appendix A5 (memory per rank) is lesson 09's memory side; its one exercise is checked here.
+BF16_BYTES = {"weights": 2, "gradients": 2, "master": 4, "optimizer state": 8}  # per parameter
+SHARDED_FROM = {"master": 1, "optimizer state": 1, "gradients": 2, "weights": 3}
+TIME_LIMIT_S = 2.0
 
 
-STAGE_CASES = [
-    (7 * 10**9, 8, 80e9),
-    (7 * 10**9, 64, 80e9),
-    (10**9, 8, 24e9),
-    (10**9, 64, 6e9),
-    (70 * 10**9, 64, 80e9),
-    (70 * 10**9, 8, 80e9),
-    (10**9, 2, sum(project_census(10**9, 2, 1).values())),  # exactly stage 1's bytes
+def bf16_bytes_per_rank(params: int, stage: int, world: int) -> float:
+    """bf16 mixed precision, Adam, no padding or counters: bytes one rank holds."""
+    return sum(
+        n * params / (world if stage >= SHARDED_FROM[k] else 1) for k, n in BF16_BYTES.items()
+    )
+
+
+def ranks_needed(params: int, stage: int, budget: int) -> int | None:
+    """The smallest W whose per-rank bytes fit ``budget``, or None (exact, in integers)."""
+    whole = sum(n for k, n in BF16_BYTES.items() if stage < SHARDED_FROM[k]) * params
+    sharded = 16 * params - whole
+    if whole + sharded <= budget:
+        return 1
+    if budget <= whole:  # the part no number of ranks divides already fills the budget
+        return None
+    return -(-sharded // (budget - whole))
+
+
+RANK_CASES = [  # (params, stage, budget in bytes)
+    (7 * 10**9, 3, 80 * 10**9),
+    (10**9, 0, 24 * 10**9),
+    (7 * 10**9, 1, 40 * 10**9),
+    (7 * 10**9, 2, 20 * 10**9),
+    (7 * 10**9, 0, 80 * 10**9),
+    (7 * 10**9, 1, 24 * 10**9),
+    (70 * 10**9, 3, 80 * 10**9),
 ]
 
 
-def _stage_judge(case, got) -> str | None:
-    numel, world, budget = case
-    want = lowest_stage(numel, world, budget)
+def _wrong_models(params: int, stage: int, budget: int) -> dict[str, int | None]:
+    """What the typical wrong models of memory answer: everything sharded from stage 1, or
+    fp32 sizes (4 + 4 + 4 + 8 bytes)."""
+
+    def smallest(per_rank, limit=4096):
+        return next((w for w in range(1, limit) if per_rank(w) <= budget), None)
+
+    return {
+        "all sharded": smallest(lambda w: 16 * params / (w if stage >= 1 else 1)),
+        "fp32 sizes": smallest(
+            lambda w: sum(
+                n * params / (w if stage >= SHARDED_FROM[k] else 1)
+                for k, n in {
+                    "weights": 4,
+                    "gradients": 4,
+                    "master": 4,
+                    "optimizer state": 8,
+                }.items()
+            )
+        ),
+    }
+
+
+def _ranks_judge(case, got) -> Miss | None:
+    params, stage, budget = case
+    want = ranks_needed(params, stage, budget)
     if got == want:
         return None
-    said = f"you said {got!r}, the projection says {want!r}"
-    need = {s: sum(project_census(numel, world, s).values()) for s in range(4)}
-    if isinstance(got, int) and want is not None and got > want:
-        if got == want + 1 and need[want] == budget:
-            return f"{said}: a budget equal to a stage's bytes fits it (<=)."
-        return f"{said}: the LOWEST stage that fits (less traffic); a higher one also fits."
-    return f"{said}: bytes per rank by stage {need}, budget {budget:.3g}."
+    gb = budget / 1e9
+    if got == "timeout":
+        return Miss(
+            f"no answer within {TIME_LIMIT_S:g} s: a search over W that never finds one does "
+            "not end.",
+            "some stages have a floor no W goes below (what stays whole on every rank): "
+            "return None when that floor alone reaches the budget, before searching.",
+        )
+    if not (got is None or (isinstance(got, int) and got >= 1)):
+        return Miss(f"you returned {got!r}; expected a number of ranks (an int >= 1) or None.")
+    wrong = _wrong_models(params, stage, budget)
+    fix = None
+    if got == wrong["all sharded"] and stage in (1, 2):
+        fix = (
+            f"at stage {stage} only "
+            + ("the fp32 master and Adam's moments (12 bytes per parameter) are"
+               if stage == 1 else "the master, the moments and the gradients (14 bytes) are")
+            + " sharded; the rest stays whole on every rank, whatever W is."
+        )  # fmt: skip
+    elif got == wrong["fp32 sizes"]:
+        fix = (
+            "bf16 mixed precision holds 2 + 2 + 12 bytes per parameter: bf16 weights and "
+            "gradients, an fp32 master copy and Adam's two fp32 moments."
+        )
+    elif got is None:
+        fix = "this stage shards enough that some W fits: solve whole + sharded / W <= budget."
+    elif want is None and stage == 0:
+        fix = "stage 0 shards nothing: more ranks never shrink what a rank holds."
+    elif want is None:
+        fix = "what stays whole on every rank already exceeds the budget: no W fits."
+    if got is None:
+        return Miss("you said no number of ranks fits; some W does.", fix)
+    held = bf16_bytes_per_rank(params, stage, got) / 1e9
+    if held > gb:
+        return Miss(f"with W = {got} a rank holds {held:.1f} GB, over the {gb:g} GB budget.", fix)
+    return Miss(f"W = {got} fits ({held:.1f} GB), but fewer ranks fit too.",
+                fix or "return the SMALLEST W that fits.")  # fmt: skip
 
 
-def check_lowest_stage(fn: Callable) -> Verdict:
-    """Exercise 3: ``fn(numel, world, budget)`` -> 0, 1, 2, 3 or None."""
+def _with_time_limit(fn: Callable, *args):
+    """``fn(*args)``, or "timeout" after :data:`TIME_LIMIT_S` (a loop that never ends). Only
+    in the main thread (a signal); elsewhere without a limit."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return fn(*args)
+
+    class _Timeout(Exception):
+        pass
+
+    def stop(signum, frame):
+        raise _Timeout
+
+    previous = signal.signal(signal.SIGALRM, stop)
+    signal.setitimer(signal.ITIMER_REAL, TIME_LIMIT_S)
+    try:
+        return fn(*args)
+    except _Timeout:
+        return "timeout"
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def check_ranks_needed(fn: Callable) -> Verdict:
+    """Appendix A5's exercise: ``fn(params, stage, budget)`` -> the smallest number of ranks
+    at which one rank's bf16 mixed-precision training state fits ``budget`` bytes, or None."""
 
     def case(c):
-        numel, world, budget = c
-        name = f"{numel:.0e} weights, {world} ranks, {budget:.3g} bytes"
-        return (name, lambda: fn(numel, world, budget), functools.partial(_stage_judge, c))
+        params, stage, budget = c
+        name = f"{params / 1e9:g}B parameters, stage {stage}, {budget / 1e9:g} GB"
+        return (
+            name,
+            lambda: _with_time_limit(fn, params, stage, budget),
+            functools.partial(_ranks_judge, c),
+        )
 
     return check_cases(
-        "the lowest stage that fits",
-        [case(c) for c in STAGE_CASES],
-        "sum(project_census(numel, world, stage).values()) is a rank's bytes at a stage; "
-        "try stages from 0 up.",
+        "how many ranks?",
+        [case(c) for c in RANK_CASES],
+        "per parameter, 2 + 2 + 12 bytes; from stage 1 the 12 are divided by W, from stage 2 "
+        "the gradient's 2 too, at stage 3 the weights' 2 as well. Whatever is not divided is a "
+        "floor no W goes below.",
+        where="*What a rank holds* (the table of bytes per parameter) and *Scaled up*",
     )
