@@ -338,7 +338,32 @@ def test_where_deepspeed_and_gas_lab_divide_by_the_world_size(divisions, index):
         if stage == 2 and extra.get("zero_optimization") == RS_FALSE:
             assert "out of gas_lab's scope" in ours["refused"]  # gas_lab's ZeRO-2: the default only
         else:
-            assert ours == theirs  # handed, received, place and the collectives' kinds
+            assert ours == theirs  # handed, received (to the bit), place, collectives, calls
+
+
+GRAD = 4 * 58  # lesson 05's model: 58 fp32 weights, one gradient of 232 bytes
+
+
+def _lesson05_calls():
+    from gas_lab.measure import edges
+
+    cases = ({}, {"use_multi_rank_bucket_allreduce": False}, {"reduce_scatter": False},
+             {"reduce_scatter": False, "use_multi_rank_bucket_allreduce": False})  # fmt: skip
+    return [edges.both(edges.division, {"zero_optimization": z}, stage=1, dims={}) for z in cases]
+
+
+@pytest.mark.ranks
+def test_which_collectives_carry_the_stage1_gradient(cluster):
+    """Lesson 05's model, at ZeRO-1: by default one all-reduce of the whole gradient, divided
+    first; use_multi_rank_bucket_allreduce false: a reduce of each owner's real elements (30
+    and 28); reduce_scatter false: one all-reduce, divided after (the other key unread)."""
+    want = [([("all_reduce", GRAD)], "before"), ([("reduce", 120), ("reduce", 112)], "before"),
+            ([("all_reduce", GRAD)], "after"), ([("all_reduce", GRAD)], "after")]  # fmt: skip
+    for rank in cluster.run(_lesson05_calls, timeout=300):
+        for got, (calls, where) in zip(rank, want, strict=True):
+            for lib in ("gas_lab", "deepspeed"):
+                assert (got[lib]["calls"], got[lib]["where"]) == (calls, where), lib
+            assert got["gas_lab"]["received"] == got["deepspeed"]["received"]  # to the bit
 
 
 def _stage2_prescale():
