@@ -23,6 +23,7 @@ from gas_lab.lessons.exercises.lesson06 import (
     new_cases,
     predict_with,
 )
+from gas_lab.lessons.exercises.verdict import reset_tries
 from gas_lab.rules import prediction
 from gas_lab.rules.calls import call_of
 
@@ -94,6 +95,7 @@ def test_wrong_predictions_say_what_differs_then_why(cluster, letter, wrong, wor
     truth = SOL.my_predictions()[letter]
     if truth != "accepted" and wrong == "accepted":  # the call that raises is not given away
         assert truth not in verdict.message
+    reset_tries()
     assert_hint_on_second_try(lambda: check_predictions(_answers(letter, wrong), cluster), fix)
 
 
@@ -146,6 +148,7 @@ def _changed(**fields):
 )
 def test_rule_mistakes_say_what_differs_then_why(cluster, wrong, case, words, fix):
     assert_failed(first_try(check_new_rule, wrong, cluster), case, *words)
+    reset_tries()
     assert_hint_on_second_try(lambda: check_new_rule(wrong, cluster), fix)
 
 

@@ -9,6 +9,7 @@ on a projector and on the docs site (tests/test_docs_site.py measures it).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 
 import matplotlib.pyplot as plt
@@ -121,8 +122,10 @@ def plot_outcomes(
     ax.set_xscale("log")
     ax.invert_yaxis()
     ax.axvline(noise, color="grey", linewidth=0.8, linestyle="--")
-    ax.set_xlabel(f"max |difference| in any weight (log; float32 noise < {noise:g})")
-    ax.legend(loc="lower right")
+    ax.set_xlabel(
+        f"max |difference| in any weight (log; float32 noise < 1e{math.log10(noise):.0f})"
+    )
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=2)
     if title:
         ax.set_title(title)
     fig.tight_layout()
