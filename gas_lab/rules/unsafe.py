@@ -51,6 +51,11 @@ BANNER = "UNSAFE TEACHING MODE: rules skipped: {}. Never train with this engine.
 _ALSO_SKIP = {"unmanaged_deepcompile": {"deepcompile"}}
 
 
+def _with_scope(skip: set[str]) -> set[str]:
+    """``skip`` plus the out-of-scope entries its rules' features need (DeepCompile's)."""
+    return skip.union(*(_ALSO_SKIP.get(name, set()) for name in skip))
+
+
 class GatedReduction:
     """Wraps the engine's update strategy: decides whether a reduction really happens."""
 
@@ -140,8 +145,7 @@ def initialize(
     known = {r.name for r in refusals.RULES} | {o.name for o in refusals.OUT_OF_SCOPE}
     if skip - known:
         raise ValueError(f"unknown rules {sorted(skip - known)}; choose from {sorted(known)}")
-    for name in list(skip):
-        skip |= _ALSO_SKIP.get(name, set())
+    skip = _with_scope(skip)
     group = group if group is not None else default_group()
     world_size = dist.get_world_size(group) if group is not None else 1
     with refusals.skipping(skip):
@@ -318,7 +322,7 @@ def experiment(
         lib: cluster.run(run, lib, config, list(skip), **loop, timeout=120) for lib in libraries
     }
     steps, n = loop.get("steps", 2), loop.get("micro_batches", 3)
-    with refusals.skipping(skip):  # the reference reads the config the rule would refuse
+    with refusals.skipping(_with_scope(set(skip))):  # a config the rule would refuse
         reference = reference_params(config, steps, [n] * steps)
     ours = runs[libraries[0]]
     same = None
