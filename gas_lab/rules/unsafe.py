@@ -250,17 +250,17 @@ def run(
     from gas_lab.measure.timeline import record
     from gas_lab.toys import flat_params, micro_batch, tiny_model
 
-    skip, rank, model = set(skip), dist.get_rank(), tiny_model(0)
-    bypass = contextlib.nullcontext
+    skip, bypass = set(skip), contextlib.nullcontext
     if library not in LIBRARIES:
         raise ValueError(f"library {library!r}: choose from {LIBRARIES}")
+    if library == "deepspeed" and skip - DEEPSPEED_BYPASSES:
+        raise ValueError(f"DeepSpeed's checks for {sorted(skip - DEEPSPEED_BYPASSES)} cannot be "
+                         "bypassed here: run them on gas_lab")  # fmt: skip
+    rank, model = dist.get_rank(), tiny_model(0)
     if library == "gas_lab" and skip:
         engine = initialize(model, config, skip, quiet=True)[0]
     elif library == "gas_lab":
         engine = gas_initialize(model=model, config=config)[0]
-    elif skip - DEEPSPEED_BYPASSES:
-        raise ValueError(f"DeepSpeed's checks for {sorted(skip - DEEPSPEED_BYPASSES)} cannot be "
-                         "bypassed here: run them on gas_lab")  # fmt: skip
     elif skip:
         engine = deepspeed_initialize(model, config)[0]
         bypass = functools.partial(pretend_managed, engine)
