@@ -270,6 +270,6 @@ def check_new_rule(fn: Callable[[], Rule], cluster) -> Verdict:
         "exception, its message and the op that raised. Then Rule(..., action='initialize', "
         "moment='initialize', deepspeed_raises=<the type>, deepspeed_message=<the message's "
         "start>, applies=lambda s: ...), reading s.pipeline and s.config.zero_optimization.stage.",
-        where="section 4 (*The library version*): a Rule's fields, and what "
+        where="section 3 (*The rules this lesson takes apart*) for a Rule's fields, and what "
         "lesson06.measure_live(lesson06.new_cases(), cluster) prints",
     )
