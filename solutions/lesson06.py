@@ -9,14 +9,14 @@ from gas_lab.rules.refusals import Example, Rule
 
 def my_predictions() -> dict:
     return {
-        "A": "step",  # step() inside no_sync(): refused in managed mode too, at ZeRO-1 too
-        "B": "no_sync",  # ZeRO-2 partitions gradients: no_sync() cannot be honoured
-        "C": "coalesce_grad_reduction",  # managed, but coalescing lives in the ZeRO optimizers
-        "D": "accepted",  # managed ZeRO-1: what coalesce_grad_reduction() is for
+        "A": "initialize",  # unmanaged + overlap_comm at stage 1, whatever offload or bf16
+        "B": "step",  # step() inside no_sync(): refused in managed mode too, at ZeRO-1 too
+        "C": "accepted",  # no_sync() unmanaged at stage 0/1: backward() accumulates anyway
+        "D": "accepted",  # managed: overriding the counter's boundary is allowed
         "E": "accepted",  # loss.backward() is refused at stage 0 only
-        "F": "initialize",  # unmanaged + overlap_comm at stage 1, whatever offload or bf16
-        "G": "accepted",  # no_sync() unmanaged at stage 0/1: local accumulation anyway
-        "H": "no_sync",  # the stage 2/3 rule fires on the FIRST no_sync(), before any reentry
+        "F": "accepted",  # managed ZeRO-1: what coalesce_grad_reduction() is for
+        "G": "coalesce_grad_reduction",  # unmanaged, any stage, on entering the block
+        "H": "no_sync",  # ZeRO-2 reduces in every backward(): no_sync() refused in both modes
     }
 
 

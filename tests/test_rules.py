@@ -331,6 +331,7 @@ def test_deepspeed_leniency_is_refused_by_gas_lab(gas_lab_results):
 
 # ---------------------------------------------------------------- 4. the unsafe teaching mode
 def _unsafe_vs_deepspeed(config, skip, set_boundary=None):
+    # Independent of unsafe.run (which lesson 06 uses): the loop written out once more.
     """On a rank: 2 unmanaged steps of 3 micro-batches on gas_lab.rules.unsafe and on DeepSpeed with
     the same check bypassed; parameters and all-reduce counts of each."""
     import contextlib
@@ -348,6 +349,12 @@ def _unsafe_vs_deepspeed(config, skip, set_boundary=None):
         model = tiny_model(0)
         if lib == "gas_lab":
             engine = unsafe.initialize(model, config, skip, quiet=True)[0]
+            bypass = contextlib.nullcontext
+        elif not skip:
+            from gas_lab.measure.parity import deepspeed_initialize
+
+            engine = deepspeed_initialize()(model=model, model_parameters=model.parameters(),
+                                            config=config)[0]  # fmt: skip
             bypass = contextlib.nullcontext
         else:
             engine = unsafe.deepspeed_initialize(model, config)[0]
@@ -383,13 +390,40 @@ def _reference(steps=2):
 
 @pytest.mark.ranks
 def test_unsafe_overlap_at_zero1_matches_deepspeed_and_is_wrong(cluster):
+    """Lesson 06 (issue 20, statement 7): at ZeRO-1 with the averaging skipped the ranks end
+    identical and wrong, on DeepSpeed itself: identical replicas do not prove averaging."""
     config = {**UNSAFE_BASE, "zero_optimization": {"stage": 1, "overlap_comm": True}}
     ranks = cluster.run(_unsafe_vs_deepspeed, config, ["unmanaged_overlap_comm"], timeout=120)
     ref = _reference()
     for out in ranks:
         assert torch.equal(out["gas_lab"][0], out["deepspeed"][0])  # the model is faithful
         assert (out["gas_lab"][0] - ref).abs().max() > 1e-2  # and silently wrong
-    assert torch.equal(ranks[0]["gas_lab"][0], ranks[1]["gas_lab"][0])  # ranks agree on it
+    for lib in ("gas_lab", "deepspeed"):  # ranks agree on it: ZeRO-1's step() all-gathers
+        assert torch.equal(ranks[0][lib][0], ranks[1][lib][0])
+    # the same loop without overlap_comm, safe: the ranks agree AND are right
+    safe = cluster.run(_unsafe_vs_deepspeed, {**config, "zero_optimization": {"stage": 1}}, [],
+                       timeout=120)  # fmt: skip
+    for out in safe:
+        assert (out["deepspeed"][0] - ref).abs().max() < 1e-6
+
+
+@pytest.mark.ranks
+def test_unsafe_experiment_reports_what_it_ran(cluster):
+    """unsafe.experiment (lesson 06's harness): its numbers are the runs' own."""
+    from gas_lab.rules import unsafe
+
+    config = {**UNSAFE_BASE, "zero_optimization": {"stage": 1, "overlap_comm": True}}
+    out = unsafe.experiment(cluster, "overlap", config, ["unmanaged_overlap_comm"])
+    ours, theirs = out.runs["gas_lab"], out.runs["deepspeed"]
+    assert out.same_as_deepspeed and out.spread == 0.0 and out.updates == 2
+    assert out.error == (ours[0].params - _reference()).abs().max().item() > 1e-2
+    # no gradient all-reduce anywhere: the norm's (4 B) and the shards' all-gather remain
+    grad = sum(p.numel() * 4 for p in tiny_model(0).parameters())
+    assert out.collectives == {("all_reduce", 4): 2, ("all_gather", 240): 2}
+    assert ("all_reduce", grad) not in theirs[1].collectives()
+    assert "same as DeepSpeed: yes" in str(out)
+    with pytest.raises(ValueError, match="cannot be bypassed"):
+        unsafe.run("deepspeed", UNSAFE_BASE, ["step_in_no_sync"])
 
 
 @pytest.mark.ranks
@@ -534,3 +568,62 @@ def test_unsafe_deepcompile_is_plain_at_stage_0_and_fails_in_step_at_zero1(stage
     else:
         engine.step()
         assert engine.global_steps == 1
+
+
+# ---------------------------------------------------------------- 5. the reasons are true
+def test_max_grad_norm_reason_holds():
+    """The rule's text (docs/rules.md): torch's optimizers refuse the keyword, FusedLamb uses it."""
+    import inspect
+
+    from deepspeed.ops.lamb import FusedLamb
+
+    rule = refusals.rule_named("max_grad_norm_param")
+    assert "TypeError" in rule.prevents and "FusedLamb" in rule.prevents
+    params = [torch.nn.Parameter(torch.zeros(1))]
+    for optimizer in (torch.optim.SGD, torch.optim.AdamW):
+        with pytest.raises(TypeError, match="max_grad_norm"):
+            optimizer(params, lr=0.1, max_grad_norm=1.0)
+    assert "max_grad_norm" in inspect.signature(FusedLamb).parameters
+    assert "group['max_grad_norm']" in inspect.getsource(FusedLamb.step)  # it clips with it
+
+
+def _stage2_bf16_fp32_accumulation():
+    """On a rank: DeepSpeed ZeRO-2, bf16 weights, grad_accum_dtype fp32; what it accumulates in."""
+    import torch.distributed as dist
+
+    from gas_lab.measure.parity import deepspeed_initialize
+    from gas_lab.toys import micro_batch
+
+    config = {**_base(), "bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"},
+              "zero_optimization": {"stage": 2}}  # fmt: skip
+    model = tiny_model(0)
+    engine = deepspeed_initialize()(
+        model=model, model_parameters=model.parameters(), config=config
+    )[0]
+    dtypes = set()
+    for m in range(2):  # one window of GAS = 2
+        x, y = (t.to(torch.bfloat16) for t in micro_batch(0, 0, m, dist.get_rank(), 2))
+        engine.backward(torch.nn.functional.mse_loss(engine(x), y))
+        dtypes |= {str(t.dtype) for group in engine.optimizer.averaged_gradients.values()
+                   for t in (group if isinstance(group, list) else [group])}  # fmt: skip
+        engine.step()
+    opt = engine.optimizer
+    return (
+        type(opt).__name__,
+        opt.use_separate_grad_accum,
+        str(opt.gradient_accumulation_dtype),
+        dtypes,
+    )
+
+
+@pytest.mark.ranks
+def test_stage2_keeps_fp32_accumulated_gradients(cluster):
+    """Issue 20, statement 3: the fp32 accumulation buffer is not a stage-1-only thing. DeepSpeed's
+    ZeRO-2 with bf16 and grad_accum_dtype fp32 accumulates its gradient partitions in fp32; the
+    reason of the stage-0 refusal says so."""
+    for name, separate, dtype, seen in cluster.run(_stage2_bf16_fp32_accumulation, timeout=120):
+        assert (name, separate, dtype) == ("DeepSpeedZeroOptimizer", True, "torch.float32")
+        assert seen == {"torch.float32"}
+    reason = refusals.rule_named("grad_accum_dtype_stage0").reason
+    assert "stage 2" in reason and "use_separate_grad_accum" in reason
+    assert "stage 1 only" not in reason

@@ -9,6 +9,7 @@ on a projector and on the docs site (tests/test_docs_site.py measures it).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 
 import matplotlib.pyplot as plt
@@ -127,4 +128,34 @@ def plot_shards(numels: Sequence[int], names: Sequence[str], worlds: Sequence[in
     axes[-1].set_xlabel("position in the flat vector (elements)")
     fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=5)
     fig.tight_layout(rect=(0, 0.4 / height, 1, 1))  # room for the legend
+    return fig
+
+
+def plot_outcomes(
+    outcomes: Mapping[str, tuple[float, float]],
+    *,
+    title: str | None = None,
+    noise: float = 1e-6,
+    floor: float = FLOOR,
+) -> Figure:
+    """Lesson 06: for each experiment ``name -> (error, spread)``, how far from the right
+    weights and how far apart the ranks ended, as horizontal bars on a log axis (first on top);
+    a dashed line at ``noise`` (float32 rounding)."""
+    names = list(outcomes)
+    fig, ax = _axes(None, figsize=(8.0, 1.2 + 0.4 * len(names)))
+    pos = list(range(len(names)))
+    errors, spreads = ([max(outcomes[n][i], floor) for n in names] for i in (0, 1))
+    ax.barh([p - 0.2 for p in pos], errors, 0.4, label="from the right weights")
+    ax.barh([p + 0.2 for p in pos], spreads, 0.4, label="ranks apart")
+    ax.set_yticks(pos, names)
+    ax.set_xscale("log")
+    ax.invert_yaxis()
+    ax.axvline(noise, color="grey", linewidth=0.8, linestyle="--")
+    ax.set_xlabel(
+        f"max |difference| in any weight (log; float32 noise < 1e{math.log10(noise):.0f})"
+    )
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=2)
+    if title:
+        ax.set_title(title)
+    fig.tight_layout()
     return fig

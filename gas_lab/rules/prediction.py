@@ -17,7 +17,7 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from gas_lab.deepspeed_compat.config import parse
+from gas_lab.deepspeed_compat.config import ConfigError, parse
 from gas_lab.engine import is_boundary
 from gas_lab.rules import matrix
 from gas_lab.rules.calls import situation_action
@@ -64,3 +64,22 @@ def measured_matrix(path: str | Path | None = None) -> dict:
         version = importlib.metadata.version("deepspeed")  # without importing it (slow)
         path = matrix.DATA / f"deepspeed_{version}_matrix.json"
     return json.loads(Path(path).read_text())
+
+
+def disagreements(measured: dict | None = None) -> tuple[list[str], list[str]]:
+    """Check :func:`predict` against every case of the measured matrix: one line per case it
+    predicts wrongly (outcome, moment or call), and the ids of the configs gas_lab refuses to
+    parse on purpose, where DeepSpeed is lenient (those are not predicted)."""
+    measured = measured_matrix() if measured is None else measured
+    wrong, unparsed = [], []
+    for case in measured["cases"]:
+        try:
+            rule, op = predict(case["config"], case["ops"], case["pipeline"])
+        except ConfigError:
+            unparsed.append(case["id"])
+            continue
+        predicted = ("accepted", None, None) if rule is None else ("rejected", rule.moment, op)
+        if predicted != (case["outcome"], case["moment"], case["raised_in"]):
+            wrong.append(f"{case['id']}: predicted {predicted}, measured "
+                         f"{(case['outcome'], case['moment'], case['raised_in'])}")  # fmt: skip
+    return wrong, unparsed

@@ -73,7 +73,7 @@ class Rule:
     keys: tuple[str, ...]  # the config keys or API calls involved, for the message
     condition: str  # one line, for tables
     reason: str  # why it is refused, for a learner
-    prevents: str  # the silent failure it prevents (lesson 06 measures each)
+    prevents: str  # what goes wrong without it: silent, costly or a later crash
     deepspeed_raises: str  # the exception type DeepSpeed 0.19.8 raises (measured)
     deepspeed_message: str  # the start of its message (measured; tests check it still is)
     example: Example
@@ -132,7 +132,8 @@ _WRITTEN: list[Rule] = [
         "unmanaged accumulation: Apex unscales the accumulated gradients in the backward() of "
         "the boundary micro-batch (delay_unscale on all others). Use bf16/fp16 instead.",
         "unmanaged, no backward() is the boundary, so gradients are never unscaled: every "
-        "update is loss-scale times too large and overflows are never detected.",
+        "update is loss-scale times too large and overflows are never detected (gas_lab's "
+        "model of Apex, read from its source: appendix A4).",
         "DeepSpeedConfigError", "NVIDIA Apex AMP integration has been removed.",
         Example(config={**UNMANAGED, "amp": {"enabled": True}}),
         lambda s: s.config.amp is not None,
@@ -154,8 +155,10 @@ _WRITTEN: list[Rule] = [
         "max_grad_norm_param", "initialize", "initialize", ("optimizer.params.max_grad_norm",),
         "max_grad_norm inside the optimizer params",
         "DeepSpeed clips gradients itself, once per optimizer step, from the top-level "
-        "gradient_clipping key (default 1.0).",
-        "an optimizer-level max_grad_norm would be ignored: no clipping where you asked for it.",
+        "gradient_clipping key (default 1.0), and takes no other spelling of it.",
+        "two ways to ask for clipping that do different things: torch's optimizers (SGD, "
+        "AdamW) raise TypeError on a max_grad_norm argument, while DeepSpeed's FusedLamb takes "
+        "it and clips again inside its own step, after gradient_clipping.",
         "ValueError", "'max_grad_norm' is not supported as an optimizer parameter",
         Example(config={"optimizer": {"type": "SGD", "params": {"lr": 0.1, "max_grad_norm": 1.0}}}),
         lambda s: s.config.optimizer is not None
@@ -212,9 +215,10 @@ _WRITTEN: list[Rule] = [
         "gradient reduction into the backward graph and switches the engine's own off; at "
         "ZeRO-1 a backward() that is not the boundary empties the optimizer's averaged "
         "gradients. Unmanaged, no backward() is the boundary.",
-        "at ZeRO-1, step() finds no averaged gradients and raises (KeyError, read from "
-        "DeepSpeed's source and modelled in gas_lab.rules.unsafe: its CPU accelerator has no "
-        "DeepCompile op).",
+        "not silent: at ZeRO-1, step() finds no averaged gradients and raises KeyError, in the "
+        "middle of training (gas_lab's model, read from DeepSpeed's source: its CPU "
+        "accelerator has no DeepCompile op; appendix A4). At stage 0 nothing: DeepCompile "
+        "falls back to torch.compile.",
         "AssertionError", "managed_gradient_accumulation=False is not supported with DeepCompile",
         Example(config={**UNMANAGED, "compile": {"deepcompile": True}}),
         lambda s: _unmanaged(s) and s.config.compile.deepcompile,
@@ -249,8 +253,9 @@ _WRITTEN: list[Rule] = [
         ("zero_optimization.stage=0", "data_types.grad_accum_dtype"),
         "ZeRO stage 0 with grad_accum_dtype unlike the model's dtype (e.g. bf16 + fp32)",
         "At stage 0 the gradients accumulate in the parameters' own .grad, so they can only be "
-        "in the model's dtype; a separate fp32 buffer (BF16_Optimizer) exists at ZeRO stage 1 "
-        "only.",
+        "in the model's dtype. A separate fp32 accumulation exists only in DeepSpeed's ZeRO "
+        "optimizers: BF16_Optimizer at stage 1, DeepSpeedZeroOptimizer's fp32 gradient "
+        "partitions at stage 2 (use_separate_grad_accum).",
         "you would believe the bf16 gradients add up in fp32 while they add up in bf16: an "
         "error that grows with the number of micro-batches.",
         "NotImplementedError", "unsupported mix of model_dtype=",
@@ -266,7 +271,7 @@ _WRITTEN: list[Rule] = [
         "Unmanaged, every step() is the boundary; an override contradicts it both ways.",
         "False: step() neither reduces nor updates while micro_steps advances, so training "
         "silently stops. True: every backward() reduces and step() reduces again: N+1 "
-        "reductions instead of 1.",
+        "reductions instead of 1 (at ZeRO-1 DeepSpeed's step() then fails: IndexError).",
         "AssertionError", "set_gradient_accumulation_boundary() is not supported with "
         "managed_gradient_accumulation=False",
         Example(config=UNMANAGED, ops=("set_boundary_true",)),
@@ -315,8 +320,9 @@ _WRITTEN: list[Rule] = [
     Rule(
         "no_sync_stage23", "no_sync", "context", ("zero_optimization.stage>=2", "no_sync()"),
         "entering no_sync() at ZeRO stage 2 or 3",
-        "ZeRO-2/3 reduce-scatter each gradient while backward() runs, to free it; there is no "
-        "full local gradient to keep aside.",
+        "ZeRO-2/3 reduce every gradient inside backward() and keep only this rank's partition: "
+        "stage 2 all-reduces each bucket (DeepSpeed's default, use_multi_rank_bucket_allreduce), "
+        "stage 3 reduce-scatters it. There is no full local gradient to keep aside.",
         "nothing silent: no_sync() cannot be honoured.",
         "AssertionError", "no_sync context manager is incompatible with gradient partitioning",
         Example(config={"zero_optimization": {"stage": 2}}, ops=("enter_no_sync", "enter_no_sync")),
@@ -586,7 +592,7 @@ def merge(base: dict, overrides: dict) -> dict:
 
 
 def table() -> list[dict]:
-    """Every refusal as a row (for the notebook's table and the docs page)."""
+    """Every refusal as a row (for the docs page)."""
     return [
         {
             "rule": r.name,

@@ -1,9 +1,11 @@
 """Accepted, but silently wrong: combinations DeepSpeed runs that still train the wrong model.
 
 ``gas_lab/rules/refusals.py`` lists what DeepSpeed refuses. This module lists what it *accepts* although
-the result is wrong, each with its symptom (measured on DeepSpeed in lesson 06) and the one-line
-rule that avoids it. A :class:`Trap` looks at the raw config dict (as DeepSpeed reads it, typos
-and all) and at a few facts about the training loop, a :class:`Loop`::
+the result is wrong, each with its symptom and the one-line rule that avoids it. The lesson that
+teaches each one measures it on DeepSpeed: lesson 04 (N != GAS, different N at ZeRO 0/1,
+loss.backward() at ZeRO-1), lesson 09 (different N at ZeRO-2/3), lesson 06 (the flag).
+A :class:`Trap` looks at the raw config dict (as DeepSpeed reads it, typos and all) and at a
+few facts about the training loop, a :class:`Loop`::
 
     traps({"managed_gradient_accumulation": False, "gradient_accumulation_steps": 4},
           Loop(micro_batches=(3, 3)))      # [Trap("n_not_gas_default_scaling", ...)]
@@ -31,7 +33,7 @@ class Trap:
 
     name: str
     condition: str
-    symptom: str  # what goes wrong, measured on DeepSpeed in lesson 06
+    symptom: str  # what goes wrong, measured on DeepSpeed by the lesson that teaches it
     fix: str  # the one-line rule that avoids it
     applies: Callable[[dict, Loop], bool] = field(repr=False, compare=False, default=None)
 
@@ -77,7 +79,8 @@ TRAPS: list[Trap] = [
         "uneven_n_zero01", "unmanaged, ZeRO 0/1, ranks run different N, no global count",
         "it runs; but each rank's micro-batches weigh 1/(W*N_rank) (or 1/(W*GAS)) instead of "
         "1/N_total, and global_samples differs from rank to rank.",
-        "all-reduce N (or the token count) before the first backward(); divide by it, times W",
+        "all-reduce N (or the token count) before the first backward(); divide each loss by "
+        "N_total / W (DeepSpeed's mean over the W ranks then makes it 1/N_total)",
         lambda c, loop: _raw_unmanaged(c) and _zero_stage(c) < 2 and _uneven(c, loop)
         and loop.loss_divisor != "global",
     ),

@@ -1,35 +1,41 @@
-"""UNSAFE TEACHING MODE: switch a rule off and measure the silent failure it prevents.
+"""UNSAFE TEACHING MODE: switch a rule off and measure the failure it prevents.
 
-Never train with this. Lesson 06 uses it to show *why* each refusal in :mod:`gas_lab.rules.refusals`
-exists: with the check skipped, the run completes without an error, and only a measurement
-(ranks drifting apart, distance from the reference, a count of all-reduces) shows the damage.
+Never train with this. Lesson 06 uses it to show *why* each refusal in
+:mod:`gas_lab.rules.refusals` exists: with the check skipped the run goes on, and a measurement
+(ranks drifting apart, distance from the right weights, a count of all-reduces) shows what goes
+wrong. Most failures are silent (wrong weights, no error); some cost communication; some crash
+later than the refusal would have (each rule's ``prevents`` says which).
 
-:func:`initialize` builds gas_lab's engine with the named rules skipped, plus the
-boundary-gated work DeepSpeed would do for the feature the rule was guarding:
+:func:`initialize` builds gas_lab's engine with the named rules skipped (through the engine's one
+public :meth:`check`), plus the boundary-gated work DeepSpeed would do for the feature the rule
+was guarding:
 
 * ``overlap_comm`` at ZeRO >= 1 reduces *inside backward()*, and only in the backward() of the
   boundary micro-batch; step() then trusts that it did.
-* ``DeepCompile`` is modelled from DeepSpeed's source (its CPU accelerator has no DeepCompile
-  op, so it cannot run here): at stage 0
-  DeepSpeed falls back to plain torch.compile, which changes nothing here; at ZeRO-1 every
-  backward() that is not the boundary empties the optimizer's averaged gradients
-  (``deepspeed/compile/init_z1_and_2.py``), so step() finds none and raises ``KeyError``.
-* Apex ``amp`` multiplies the loss by a loss scale and divides the gradients by it again only
-  in the backward() of the boundary micro-batch (``delay_unscale`` on all the others).
 * like DeepSpeed's engine, step() reduces only at a boundary and never inside ``no_sync()``.
 * a direct ``loss.backward()`` at stage 0 is divided by GAS by the output hook, but nothing
   sees it end, so its boundary reduction never runs (DeepSpeed has no hook for it there).
+* two features this machine cannot run are **models** read from DeepSpeed's source, not
+  DeepSpeed (appendix A4 shows them, labelled so): ``DeepCompile`` (at stage 0 DeepSpeed falls
+  back to torch.compile, which changes nothing here; at ZeRO-1 every backward() that is not the
+  boundary empties the optimizer's averaged gradients, ``deepspeed/compile/init_z1_and_2.py``,
+  so step() finds none and raises ``KeyError``) and Apex ``amp`` (it multiplies the loss by a
+  loss scale and divides the gradients by it again only in the backward() of the boundary
+  micro-batch, ``delay_unscale`` on all the others).
 
-Unmanaged, no backward() is a boundary, so each of these quietly never happens.
-:func:`deepspeed_initialize` (and :func:`allow_tensor_backward`) do the same to *real*
-DeepSpeed, so the lesson can check that this model of the failure matches what DeepSpeed itself
-would have done.
+:func:`deepspeed_initialize`, :func:`pretend_managed` and :func:`allow_tensor_backward` do the
+same to *real* DeepSpeed, so a lesson can check that this model of the failure matches what
+DeepSpeed itself does. :func:`run` is lesson 06's loop on either library and :func:`experiment`
+runs it on a notebook's ranks and compares (:class:`Outcome`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+from collections import Counter
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -43,6 +49,11 @@ from gas_lab.rules import refusals
 BANNER = "UNSAFE TEACHING MODE: rules skipped: {}. Never train with this engine."
 # Skipping a rule about a feature gas_lab leaves out also lets that feature past scope checks.
 _ALSO_SKIP = {"unmanaged_deepcompile": {"deepcompile"}}
+
+
+def _with_scope(skip: set[str]) -> set[str]:
+    """``skip`` plus the out-of-scope entries its rules' features need (DeepCompile's)."""
+    return skip.union(*(_ALSO_SKIP.get(name, set()) for name in skip))
 
 
 class GatedReduction:
@@ -134,8 +145,7 @@ def initialize(
     known = {r.name for r in refusals.RULES} | {o.name for o in refusals.OUT_OF_SCOPE}
     if skip - known:
         raise ValueError(f"unknown rules {sorted(skip - known)}; choose from {sorted(known)}")
-    for name in list(skip):
-        skip |= _ALSO_SKIP.get(name, set())
+    skip = _with_scope(skip)
     group = group if group is not None else default_group()
     world_size = dist.get_world_size(group) if group is not None else 1
     with refusals.skipping(skip):
@@ -191,3 +201,143 @@ def pretend_managed(ds_engine):
 def params_spread(flat_per_rank: list[torch.Tensor]) -> float:
     """How far the ranks' replicas are apart: ``max |rank r - rank 0|`` over all parameters."""
     return max((f - flat_per_rank[0]).abs().max().item() for f in flat_per_rank)
+
+
+# ---------------------------------------------------------------- lesson 06's experiments
+LIBRARIES = ("gas_lab", "deepspeed")
+# The rules whose DeepSpeed check these bypasses get past (the others run on gas_lab only).
+DEEPSPEED_BYPASSES = frozenset({"unmanaged_overlap_comm", "unmanaged_set_boundary",
+                                "tensor_backward_stage0"})  # fmt: skip
+
+
+@dataclass
+class Run:
+    """What :func:`run` leaves on one rank."""
+
+    params: torch.Tensor  # the rank's parameters at the end, flat
+    events: list  # its engine calls and collectives (gas_lab.measure.timeline.Event)
+    updates: int  # engine.global_steps
+
+    def collectives(self) -> Counter:
+        """``{(kind, bytes): calls}`` over the run (kind: all_reduce, all_gather, ...)."""
+        return Counter((e.kind, e.bytes) for e in self.events if e.cat == "collective")
+
+
+def run(
+    library: str,
+    config: dict,
+    skip: Iterable[str] = (),
+    *,
+    steps: int = 2,
+    micro_batches: int = 3,
+    set_boundary: bool | None = None,
+    step_in_no_sync: bool = False,
+    tensor_backward: bool = False,
+) -> Run:
+    """Lesson 06's loop on this rank (call on every rank), on ``library`` with ``skip`` off.
+
+    ``steps`` optimizer steps of ``micro_batches`` micro-batches each: unmanaged, one
+    ``step()`` after them; managed, ``step()`` after every micro-batch. With nothing skipped the
+    library's own ``initialize`` builds the engine (the safe baseline); gas_lab with rules
+    skipped is :func:`initialize`, DeepSpeed gets the bypasses of :data:`DEEPSPEED_BYPASSES`.
+    ``set_boundary``: call ``set_gradient_accumulation_boundary(set_boundary)`` before every
+    micro-batch; ``step_in_no_sync``: the whole step, ``step()`` included, inside ``no_sync()``;
+    ``tensor_backward``: ``loss.backward()`` instead of ``engine.backward(loss)``.
+    """
+    from gas_lab.deepspeed_compat.engine import initialize as gas_initialize
+    from gas_lab.measure.parity import deepspeed_initialize as ds_initialize
+    from gas_lab.measure.parity import quiet_deepspeed
+    from gas_lab.measure.timeline import record
+    from gas_lab.toys import flat_params, micro_batch, tiny_model
+
+    skip, bypass = set(skip), contextlib.nullcontext
+    if library not in LIBRARIES:
+        raise ValueError(f"library {library!r}: choose from {LIBRARIES}")
+    if library == "deepspeed" and skip - DEEPSPEED_BYPASSES:
+        raise ValueError(f"DeepSpeed's checks for {sorted(skip - DEEPSPEED_BYPASSES)} cannot be "
+                         "bypassed here: run them on gas_lab")  # fmt: skip
+    rank, model = dist.get_rank(), tiny_model(0)
+    if library == "gas_lab" and skip:
+        engine = initialize(model, config, skip, quiet=True)[0]
+    elif library == "gas_lab":
+        engine = gas_initialize(model=model, config=config)[0]
+    elif skip:
+        engine = deepspeed_initialize(model, config)[0]
+        bypass = functools.partial(pretend_managed, engine)
+        if "tensor_backward_stage0" in skip:
+            allow_tensor_backward(engine)
+    else:
+        engine = ds_initialize()(model=model, model_parameters=model.parameters(), config=config)[0]
+    managed = engine.managed_gradient_accumulation()
+    with record(engine) as events, quiet_deepspeed():
+        for step in range(steps):
+            with engine.no_sync() if step_in_no_sync else contextlib.nullcontext():
+                for m in range(micro_batches):
+                    if set_boundary is not None:
+                        with bypass():
+                            engine.set_gradient_accumulation_boundary(set_boundary)
+                    x, y = micro_batch(0, step, m, rank, engine.train_micro_batch_size_per_gpu())
+                    loss = torch.nn.functional.mse_loss(engine(x), y)
+                    loss.backward() if tensor_backward else engine.backward(loss)
+                    if managed:
+                        engine.step()
+                if not managed and step_in_no_sync:
+                    engine.step()  # the refused call, inside the block
+            if not managed and not step_in_no_sync:
+                engine.step()
+    return Run(flat_params(engine.module), events, engine.global_steps)
+
+
+@dataclass
+class Outcome:
+    """One experiment, as lesson 06 prints it: how far apart the ranks ended, how far from the
+    right weights, the collectives and updates, and whether DeepSpeed did exactly the same."""
+
+    name: str
+    spread: float  # max |rank r - rank 0| over every weight
+    error: float  # max |rank 0 - reference|
+    collectives: Counter  # rank 0's {(kind, bytes): calls}
+    updates: int
+    same_as_deepspeed: bool | None  # parameters equal (torch.equal), same collectives, updates
+    runs: dict = field(repr=False, default_factory=dict)  # library -> [Run per rank]
+
+    def __str__(self) -> str:
+        comm = ", ".join(f"{n} {kind} of {size} B" for (kind, size), n in
+                         sorted(self.collectives.items())) or "none"  # fmt: skip
+        same = {None: "not run", True: "yes", False: "NO"}[self.same_as_deepspeed]
+        return (f"{self.name}\n    ranks apart {self.spread:.1e} | from the right weights "
+                f"{self.error:.1e} | updates {self.updates} | same as DeepSpeed: {same}\n"
+                f"    collectives on rank 0: {comm}")  # fmt: skip
+
+
+def experiment(
+    cluster, name: str, config: dict, skip: Iterable[str] = (), libraries=LIBRARIES, **loop
+) -> Outcome:
+    """:func:`run` on the notebook's ranks for each of ``libraries``, compared with the right
+    weights: one process taking every rank's micro-batches of a step in one mean, without any
+    rule (the reference of :func:`gas_lab.measure.parity.reference_params`)."""
+    from gas_lab.measure.parity import reference_params
+
+    runs = {
+        lib: cluster.run(run, lib, config, list(skip), **loop, timeout=120) for lib in libraries
+    }
+    steps, n = loop.get("steps", 2), loop.get("micro_batches", 3)
+    with refusals.skipping(_with_scope(set(skip))):  # a config the rule would refuse
+        reference = reference_params(config, steps, [n] * steps)
+    ours = runs[libraries[0]]
+    same = None
+    if "deepspeed" in runs and libraries[0] != "deepspeed":
+        same = all(
+            torch.equal(a.params, b.params) and a.updates == b.updates
+            and a.collectives() == b.collectives()
+            for a, b in zip(ours, runs["deepspeed"], strict=True)
+        )  # fmt: skip
+    return Outcome(
+        name,
+        spread=params_spread([r.params for r in ours]),
+        error=(ours[0].params - reference).abs().max().item(),
+        collectives=ours[0].collectives(),
+        updates=ours[0].updates,
+        same_as_deepspeed=same,
+        runs=runs,
+    )

@@ -1,15 +1,16 @@
 """Checkers for lesson 06's exercises (rejected combinations).
 
-1. :func:`check_predictions`: combinations of the matrix that the lesson did not take apart
-   (other stages, other modes, offload and bf16, the context managers). Predict what DeepSpeed
-   does: accept, or raise at which call. The checker measures every scenario *now*, on real
-   DeepSpeed on the notebook's ranks (the same code as ``python -m gas_lab.rules.matrix``).
+1. :func:`check_predictions`: eight combinations the lesson did not run, each a stage or a mode
+   away from one it did. Predict what DeepSpeed does: accept, or raise at which call. The
+   checker measures every scenario *now*, on real DeepSpeed on the notebook's ranks (the same
+   code as ``python -m gas_lab.rules.matrix``).
 2. :func:`check_new_rule`: a combination the committed matrix never measured, pipeline
    parallelism with ZeRO stage 2 or 3. Write DeepSpeed's refusal as a :class:`Rule`; the
    checker measures the new cases live and runs ``gas_lab.rules.prediction`` with your rule
    added over them *and* over every committed case, which must all still come out right.
 
-Both take the notebook's ``cluster``.
+Both take the notebook's ``cluster``. A first wrong try says what differs and where to look;
+the fix comes on a second wrong try of the same case, or from ``lesson06.hint()``.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from collections.abc import Callable
 
 from gas_lab.deepspeed_compat.config import ConfigError, parse
 from gas_lab.lessons.exercises.on_ranks import measured_once
-from gas_lab.lessons.exercises.verdict import Verdict, answer_for, check_cases
+from gas_lab.lessons.exercises.verdict import Miss, Verdict, answer_for, check_cases
 from gas_lab.lessons.exercises.verdict import hint as hint  # lessonNN.hint()
 from gas_lab.rules import matrix, prediction
 from gas_lab.rules.calls import ACTIONS, call_of, situation_action
@@ -28,16 +29,34 @@ from gas_lab.rules.refusals import Rule, Situation, first_violation
 
 #: What a learner may answer: "accepted", or the engine call that raises (gas_lab.rules.calls).
 ANSWERS = ("accepted", *ACTIONS)
-SCENARIOS = {  # letter -> a case id of the measured matrix the lesson did not take apart
-    "A": "api/stage=1/managed=True/api=step_in_no_sync",
-    "B": "api/stage=2/managed=True/api=no_sync",
-    "C": "api/stage=0/managed=True/api=coalesce",
-    "D": "api/stage=1/managed=True/api=coalesce",
-    "E": "api/stage=3/managed=False/api=tensor_backward",
-    "F": "grid/stage=1/managed=False/overlap_comm=True/offload=cpu/precision=bf16",
-    "G": "api/stage=1/managed=False/api=no_sync",
-    "H": "api/stage=3/managed=True/api=no_sync_reentry",
-}
+# letter -> (a case of the measured matrix the lesson did not run, why DeepSpeed does what it
+# does: the fix a second wrong try shows)
+SCENARIOS = {
+    "A": ("grid/stage=1/managed=False/overlap_comm=True/offload=cpu/precision=bf16",
+          "unmanaged_overlap_comm reads the stage, the mode and overlap_comm only: CPU offload "
+          "and bf16 change nothing, so initialize refuses it."),
+    "B": ("api/stage=1/managed=True/api=step_in_no_sync",
+          "step_in_no_sync holds in both modes and at every stage: step() updates from reduced "
+          "gradients, and no_sync() promised none."),
+    "C": ("api/stage=1/managed=False/api=no_sync",
+          "no rule refuses no_sync() unmanaged at stage 0/1: there backward() only accumulates "
+          "anyway, and step() reduces after the block."),
+    "D": ("api/stage=0/managed=True/api=set_boundary_false",
+          "unmanaged_set_boundary is about unmanaged mode: managed, the counter owns the "
+          "boundary and may be overridden."),
+    "E": ("api/stage=1/managed=False/api=tensor_backward",
+          "tensor_backward_stage0 applies at stage 0 only: from stage 1 the ZeRO optimizer's "
+          "gradient hooks see a direct loss.backward() end."),
+    "F": ("api/stage=1/managed=True/api=coalesce",
+          "managed ZeRO-1 is what coalesce_grad_reduction() is for: no rule holds."),
+    "G": ("api/stage=1/managed=False/api=coalesce",
+          "unmanaged_coalesce holds at every stage, checked on entering the block: step() "
+          "already defers the reduction."),
+    "H": ("api/stage=2/managed=False/api=no_sync",
+          "no_sync_stage23: at ZeRO-2/3 every backward() reduces, in either mode, so entering "
+          "no_sync() is refused."),
+}  # fmt: skip
+WHERE_1 = "section 3 (*The rules this lesson takes apart*), and the idea in section 1"
 
 
 def _committed() -> dict[str, dict]:
@@ -50,6 +69,14 @@ def describe(case: dict) -> str:
     calls = ", ".join(call_of(op).label for op in case["ops"])
     pipe = " a PipelineModule model," if case["pipeline"] else ""
     return f"base + {extra};{pipe} then: {calls}"
+
+
+def scenarios() -> str:
+    """Exercise 1's scenarios as a learner reads them, one line each."""
+    cases = _committed()
+    lines = [f"base: {matrix.BASE}"]
+    lines += [f"{letter}. {describe(cases[case_id])}" for letter, (case_id, _) in SCENARIOS.items()]
+    return "\n".join(lines)
 
 
 def _measure_quietly(cases: list[dict]) -> list[dict]:
@@ -73,22 +100,27 @@ def _said(got: dict) -> str:
 
 # ---------------------------------------------------------------- exercise 1: predict, measured
 def _prediction_case(fn: Callable, letter: str, cluster):
-    case = _committed()[SCENARIOS[letter]]
+    case_id, why = SCENARIOS[letter]
+    case = _committed()[case_id]
 
     def run():
         answer = answer_for(fn, letter, "{'A': 'accepted', ...}")
         return answer, measure_live([case], cluster)[0]
 
-    def judge(result) -> str | None:
+    def judge(result) -> str | Miss | None:
         answer, got = result
         if answer not in ANSWERS:
             return f"answer one of {ANSWERS}, got {answer!r}."
         truth = "accepted" if got["outcome"] == "accepted" else call_of(got["raised_in"]).call
         if answer == truth:
             return None
-        rule, _ = prediction.predict(case["config"], case["ops"], case["pipeline"])
-        why = f" Rule {rule.name}: {rule.condition}." if rule is not None else ""
-        return f"you said {answer!r}; measured now on DeepSpeed: {_said(got)}.{why}"
+        if truth == "accepted":
+            measured = "DeepSpeed, measured now, accepts it"
+        elif answer == "accepted":
+            measured = "DeepSpeed, measured now, refuses it"
+        else:
+            measured = f"DeepSpeed, measured now, refuses it, but not at {answer}()"
+        return Miss(f"you predicted {answer!r}; {measured}.", why)
 
     return (f"scenario {letter}", run, judge)
 
@@ -99,9 +131,10 @@ def check_predictions(fn: Callable[[], dict], cluster) -> Verdict:
     return check_cases(
         "predict the matrix, then measure it",
         [_prediction_case(fn, letter, cluster) for letter in SCENARIOS],
-        "read the rules table: a rule fires at its own call (initialize, a method, or entering "
-        "a with-block), only when its condition holds for THIS stage and mode; the first call "
-        "of the script that meets one raises.",
+        "a rule fires at its own call (initialize, a method, or entering a with-block), and "
+        "only when its condition holds for THIS stage and mode; the first call of the script "
+        "that meets one raises. No rule holds: accepted.",
+        where=WHERE_1,
     )
 
 
@@ -145,30 +178,52 @@ def predict_with(rule: Rule, case: dict) -> tuple[Rule | None, str | None]:
     return None, None
 
 
-def _compare(rule: Rule, case: dict, got: dict) -> str | None:
-    """None if the rules (with ``rule``) predict what DeepSpeed did with ``case``."""
+def _compare(rule: Rule, case: dict, got: dict) -> Miss | None:
+    """None if the rules (with ``rule``) predict what DeepSpeed did with ``case``; else what
+    differs, and the fix for that mistake."""
     try:
         fired, op = predict_with(rule, case)
     except Exception as err:  # the learner's applies() may raise on a config it did not expect
-        return f"{case['id']}: your rule's applies() raised {type(err).__name__}: {err}."
+        return Miss(
+            f"{case['id']}: your rule's applies() raised {type(err).__name__}: {err}.",
+            "applies(s) reads s.pipeline (a bool) and s.config.zero_optimization.stage (an int); "
+            "it must answer for every config, pipelines or not.",
+        )
     if got["outcome"] == "accepted":
         if fired is None:
             return None
-        return f"{case['id']}: DeepSpeed accepts it (measured), the rules refuse it ({fired.name})."
-    where = call_of(got["raised_in"]).call
+        return Miss(
+            f"{case['id']}: DeepSpeed accepts it (measured), your rules refuse it ({fired.name}).",
+            "applies() holds for too much: which stages does DeepSpeed refuse with a pipeline?",
+        )
     if fired is None:
-        return f"{case['id']}: DeepSpeed raises {_said(got)}; the rules accept it."
+        return Miss(
+            f"{case['id']}: DeepSpeed raises {got['exception']} at "
+            f"{call_of(got['raised_in']).call}(); your rules accept it.",
+            "applies() holds for too little: read the stages of every new case that DeepSpeed "
+            "refuses.",
+        )
     if op != got["raised_in"] or fired.moment != got["moment"]:
-        return (
-            f"{case['id']}: DeepSpeed raises at {where} (moment {got['moment']!r}); "
-            f"{fired.name} fires at {call_of(op).call} (moment {fired.moment!r})."
+        return Miss(
+            f"{case['id']}: DeepSpeed raises at {call_of(got['raised_in']).call} (moment "
+            f"{got['moment']!r}); {fired.name} fires at {call_of(op).call} (moment "
+            f"{fired.moment!r}).",
+            "action and moment name the call that raises: here DeepSpeed raises before any "
+            "train_batch(), inside deepspeed.initialize.",
         )
     if fired.deepspeed_raises != got["exception"]:
-        return f"{case['id']}: DeepSpeed raises {got['exception']}, {fired.name} says {fired.deepspeed_raises}."
+        return Miss(
+            f"{case['id']}: DeepSpeed raises {got['exception']}, {fired.name} says "
+            f"{fired.deepspeed_raises}.",
+            "deepspeed_raises is the exception's type name, as lesson06.measure_live prints it.",
+        )
     if not fired.deepspeed_message or not got["message"].startswith(fired.deepspeed_message):
-        return (
-            f"{case['id']}: DeepSpeed's message starts {got['message'][:70]!r}; "
-            f"{fired.name}'s deepspeed_message is {fired.deepspeed_message!r}."
+        return Miss(
+            f"{case['id']}: DeepSpeed's message does not start with {fired.name}'s "
+            f"deepspeed_message {fired.deepspeed_message!r}.",
+            "deepspeed_message is the first words of the message, exactly as "
+            "lesson06.measure_live prints it (a prefix: tests check the message still starts "
+            "so).",
         )
     return None
 
@@ -215,4 +270,6 @@ def check_new_rule(fn: Callable[[], Rule], cluster) -> Verdict:
         "exception, its message and the op that raised. Then Rule(..., action='initialize', "
         "moment='initialize', deepspeed_raises=<the type>, deepspeed_message=<the message's "
         "start>, applies=lambda s: ...), reading s.pipeline and s.config.zero_optimization.stage.",
+        where="section 3 (*The rules this lesson takes apart*) for a Rule's fields, and what "
+        "lesson06.measure_live(lesson06.new_cases(), cluster) prints",
     )
