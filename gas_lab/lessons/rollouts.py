@@ -17,6 +17,7 @@ The same :class:`RolloutRun` runs in the notebook's ranks and in
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -243,11 +244,16 @@ def step_runs(step: int) -> dict[str, dict]:
 
 
 def train(cluster, runs: dict[str, tuple[Callable, dict, str]], steps: int) -> dict[str, list]:
-    """From the notebook: train ``runs`` side by side on the ranks, ``steps`` steps; returns
-    each run's metrics and parameters after every step (rank 0's, equal on every rank)."""
+    """From the notebook: train ``runs`` side by side on the ranks, ``steps`` steps, with a
+    progress bar; returns each run's metrics and parameters after every step (rank 0's, equal
+    on every rank)."""
+    from tqdm import tqdm
+
     cluster.run(start_runs, runs, timeout=300)  # the engines are built on the ranks and stay
     history = {name: [] for name in runs}
-    for step in range(steps):
+    # A text bar on stdout: live in JupyterLab, and its last state stays in the saved output.
+    desc = f"{len(runs)} run{'s' if len(runs) > 1 else ''} x {steps} steps"
+    for step in tqdm(range(steps), desc=desc, file=sys.stdout, ncols=80):
         per_rank = cluster.run(step_runs, step)  # one step of every run, on every rank
         for name in runs:
             assert all(r[name]["params"].equal(per_rank[0][name]["params"]) for r in per_rank)
