@@ -384,7 +384,7 @@ def _findings(cells):
 
 def test_it_fails_on_a_measured_number_the_code_does_not_assert():
     cells = [
-        ("markdown", "# 00 · x\n\n**Objectives** (≈ 15 minutes)."),
+        ("markdown", f"# 00 · x\n\n**Objectives** (≈ {agenda_minutes()['00']} minutes)."),
         ("code", "err = run()\nassert err < 1e-6\nprint(f'{err:.1e}')"),
         (
             "markdown",
@@ -397,7 +397,7 @@ def test_it_fails_on_a_measured_number_the_code_does_not_assert():
 
 def test_it_accepts_formatting_variants_of_a_literal():
     cells = [
-        ("markdown", "# 00 · x\n\n**Objectives** (≈ 15 minutes)."),
+        ("markdown", f"# 00 · x\n\n**Objectives** (≈ {agenda_minutes()['00']} minutes)."),
         ("code", "TOL = 0.000001\nBYTES = 1024\nscale = 2**16\nfrac = 0.33"),
         ("markdown", "Within 1e-6 ($10^{-6}$), 1,024 bytes, 65,536 = 2**16, 33% of it, 16x."),
     ]
@@ -406,7 +406,7 @@ def test_it_accepts_formatting_variants_of_a_literal():
 
 def test_it_checks_lesson_and_section_references_and_the_version():
     cells = [
-        ("markdown", "# 00 · x\n\n**Objectives** (≈ 15 minutes). DeepSpeed 0.19.7, lesson 42."),
+        ("markdown", f"# 00 · x\n\n**Objectives** (≈ {agenda_minutes()['00']} minutes). DeepSpeed 0.19.7, lesson 42."),
         ("markdown", "## 9. The same code as a script\n\nAs in section 7, and section 9 (*The same code as a script*)."),
         ("markdown", "## 10. Exercises\n\nsee section 9 below."),
     ]  # fmt: skip
@@ -420,7 +420,7 @@ def test_it_checks_lesson_and_section_references_and_the_version():
 
 def test_it_refuses_ratios_in_words_and_unbacked_equality():
     cells = [
-        ("markdown", "# 00 · x\n\n**Objectives** (≈ 15 minutes)."),
+        ("markdown", f"# 00 · x\n\n**Objectives** (≈ {agenda_minutes()['00']} minutes)."),
         ("code", "assert err < 1e-6"),
         ("markdown", "Bit for bit the same, and seven to thirty times smaller."),
         ("code", "assert torch.allclose(a, b)"),
