@@ -466,3 +466,15 @@ def count(folder: Path | None = None) -> None:
 if __name__ == "__main__":
     folders = [Path(a) for a in sys.argv[1:] if a != "-v"]
     count(folders[0] if folders else None)
+
+
+def test_no_prose_cell_hides_an_assertion_in_parentheses():
+    """Issue 20: "(asserted ...)" parentheticals made prose unreadable; the code cell under a
+    claim asserts it and prints the number, and the sentence reads as a sentence."""
+    found = [
+        (nb.name, index)
+        for nb in sorted((ROOT / "tutorials").glob("*.ipynb"))
+        for index, cell in enumerate(json.loads(nb.read_text())["cells"])
+        if cell["cell_type"] == "markdown" and re.search(r"\(\s*asserted", "".join(cell["source"]))
+    ]
+    assert found == [], f"'(asserted ...)' in prose: {found}"

@@ -571,6 +571,23 @@ def test_unsafe_deepcompile_is_plain_at_stage_0_and_fails_in_step_at_zero1(stage
 
 
 # ---------------------------------------------------------------- 5. the reasons are true
+def test_no_sync_stage23_reason_holds():
+    """The rule's text: stage 2 all-reduces each bucket by default (the flag DeepSpeed's
+    ZeRO-1/2 reduction reads, on by default), not a reduce-scatter."""
+    import inspect
+
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    reason = refusals.rule_named("no_sync_stage23").reason
+    assert "stage 2 all-reduces each bucket" in reason
+    assert "use_multi_rank_bucket_allreduce" in reason
+    assert DeepSpeedZeroConfig().use_multi_rank_bucket_allreduce is True
+    assert "use_multi_rank_bucket_allreduce" in inspect.getsource(
+        DeepSpeedZeroOptimizer.average_tensor
+    )
+
+
 def test_max_grad_norm_reason_holds():
     """The rule's text (docs/rules.md): torch's optimizers refuse the keyword, FusedLamb uses it."""
     import inspect
