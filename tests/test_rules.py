@@ -130,6 +130,15 @@ def test_predict_walks_the_ops():
     assert prediction.predict({**base, "gradient_clipping": 0.0}, ["step"]) == (None, None)
 
 
+def test_a_refusal_says_what_it_prevents_without_calling_it_silent():
+    """Not every prevented failure is silent (lesson 06 sorts them): the message says
+    "Prevents:", whatever the rule's kind."""
+    for rule in refusals.ALL_RULES:
+        message = str(RejectedCombination.of(rule))
+        assert f"\n  Prevents: {rule.prevents}\n" in message, rule.name
+        assert "silent failure" not in message.lower(), rule.name
+
+
 def test_table_has_every_rule_once_as_markdown():
     md = refusals.table_markdown().splitlines()
     assert len(md) == 2 + len(refusals.table())

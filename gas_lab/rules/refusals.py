@@ -4,7 +4,8 @@ With ``"managed_gradient_accumulation": false`` the *caller* owns the accumulati
 every ``step()`` is one, and no ``backward()`` is. Any feature that does boundary-gated work
 *during* ``backward()`` (reduce in a hook, unscale, compile the reduction into the graph) would
 wait for a boundary that never comes there, so DeepSpeed refuses it. Each :class:`Rule` holds
-the condition, why it is refused, the silent failure it prevents, the moment it fires
+the condition, why it is refused, what it prevents (wrong weights, extra communication or a
+crash later in the loop: not always silent), the moment it fires
 (``initialize``, ``call`` or ``context``: entering a with-block) and what DeepSpeed 0.19.8
 raises, measured by ``python -m gas_lab.rules.matrix`` into ``data/deepspeed_0.19.8_matrix.json``.
 A rule is checked at one engine call, its ``action`` (named in :mod:`gas_lab.rules.calls`).
