@@ -268,6 +268,43 @@ _WRITTEN: list[Rule] = [
         and s.config.model_dtype != s.config.grad_accum_dtype,
         order=330,
     ),
+    # -- lessons 05 and 08: where the mean divides (gas_lab/measure/edges.py, division) --------
+    Rule(
+        "predivide_stage2", "initialize", "initialize",
+        ("zero_optimization.stage=2", "gradient_predivide_factor"),
+        "ZeRO stage 2 averaging with reduce_scatter (the default), gradient_predivide_factor "
+        "other than 1.0",
+        "ZeRO-2's default reduction divides every bucket by the world size before the sum, in "
+        "one step with no factor in it; only the plain all-reduce of reduce_scatter false "
+        "splits the division around the sum by gradient_predivide_factor. DeepSpeed's ZeRO "
+        "optimizer refuses the key where it would not be read.",
+        "a factor you set, silently ignored: all of the division would happen before the "
+        "sum, whatever the factor.",
+        "AssertionError", "gradient_predivide_factor != 1.0 is not yet supported with ZeRO-2 "
+        "with reduce scatter enabled",
+        Example(config={"zero_optimization": {"stage": 2}, "gradient_predivide_factor": 2.0}),
+        lambda s: _stage(s) == 2 and s.config.zero_optimization.reduce_scatter
+        and s.config.gradient_allreduce_op == "mean" and s.config.gradient_predivide_factor != 1.0,
+        order=340,
+    ),
+    Rule(
+        "prescale_stage2", "initialize", "initialize",
+        ("zero_optimization.stage=2", "prescale_gradients"),
+        "ZeRO stage 2 averaging with reduce_scatter (the default), prescale_gradients true",
+        "prescale_gradients asks for the mean's division before the sum instead of after it. "
+        "ZeRO-2's default reduction divides every bucket before the sum anyway, in one place "
+        "with no switch, and DeepSpeed's ZeRO optimizer refuses the key there (after the "
+        "predivide check). Stage 0 and reduce_scatter false read it; stage 1's default "
+        "reduction, which divides first too, accepts it unchecked.",
+        "a key that would be read nowhere: the same run with it or without it, while the "
+        "config says the division was chosen.",
+        "AssertionError", "pre-scale gradients is not yet supported with ZeRO-2 with reduce "
+        "scatter enabled",
+        Example(config={"zero_optimization": {"stage": 2}, "prescale_gradients": True}),
+        lambda s: _stage(s) == 2 and s.config.zero_optimization.reduce_scatter
+        and s.config.gradient_allreduce_op == "mean" and s.config.prescale_gradients,
+        order=350,
+    ),
     Rule(
         "unmanaged_set_boundary", "set_gradient_accumulation_boundary", "call",
         (_MGA, "set_gradient_accumulation_boundary()"),
