@@ -78,7 +78,7 @@ class RejectedCombination(GasLabError):
     def __init__(self, rule):
         self.rule = rule
         super().__init__(
-            f"{' + '.join(rule.keys)}: {rule.reason}\n  Silent failure prevented: {rule.prevents}"
+            f"{' + '.join(rule.keys)}: {rule.reason}\n  Prevents: {rule.prevents}"
             f"\n  Refused as by DeepSpeed 0.19.8, which raises {rule.deepspeed_raises} at "
             f"{rule.moment}: {rule.deepspeed_message!r}"
         )

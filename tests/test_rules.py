@@ -123,11 +123,27 @@ def test_predict_walks_the_ops():
     gas2 = {**zero1, "gradient_accumulation_steps": 2, "train_batch_size": 2}
     assert prediction.predict(gas2, ["step", "backward", "step"]) == (None, None)
     assert prediction.predict(gas2, ["step", "step"])[0].name == "idle_window_stage1"
+    # A backward() earlier in the window does not stand in for the boundary micro-step's, and
+    # one inside no_sync() does not reduce (coalescing's exit does, boundary or not).
+    for ops in (["backward", "step", "step"],
+                ["backward", "step", "enter_no_sync", "backward", "exit_no_sync", "step"]):  # fmt: skip
+        assert prediction.predict(gas2, ops) == (refusals.rule_named("idle_window_stage1"), "step")
+    coalesced = ["enter_coalesce", "backward", "exit_coalesce", "step", "step"]
+    assert prediction.predict(gas2, coalesced) == (None, None)
     zero2 = {"zero_optimization": {"stage": 2}}
     assert prediction.predict({**idle, **zero2}, ["step"])[0].name == "idle_rank_stage2"
     assert prediction.predict({**gas2, **zero2}, ["step", "step"])[0].name == "idle_window_stage2"
     assert prediction.predict(base, ["step"])[0].name == "idle_window_stage0_clipping"
     assert prediction.predict({**base, "gradient_clipping": 0.0}, ["step"]) == (None, None)
+
+
+def test_a_refusal_says_what_it_prevents_without_calling_it_silent():
+    """Not every prevented failure is silent (lesson 06 sorts them): the message says
+    "Prevents:", whatever the rule's kind."""
+    for rule in refusals.ALL_RULES:
+        message = str(RejectedCombination.of(rule))
+        assert f"\n  Prevents: {rule.prevents}\n" in message, rule.name
+        assert "silent failure" not in message.lower(), rule.name
 
 
 def test_table_has_every_rule_once_as_markdown():
@@ -602,6 +618,29 @@ def test_max_grad_norm_reason_holds():
             optimizer(params, lr=0.1, max_grad_norm=1.0)
     assert "max_grad_norm" in inspect.signature(FusedLamb).parameters
     assert "group['max_grad_norm']" in inspect.getsource(FusedLamb.step)  # it clips with it
+
+
+def test_tensor_backward_reason_holds_in_both_modes():
+    """The rule's text (lesson 04's pitfall 3): DeepSpeed refuses loss.backward() at stage 0 in
+    both modes (measured), because only a ZeRO optimizer can signal a backward pass's end (its
+    source), not because of where the boundary reduces, which the mode moves."""
+    import inspect
+    import re
+
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    rule = refusals.rule_named("tensor_backward_stage0")
+    outcome = {(c["axes"]["stage"], c["axes"]["managed"]): c["outcome"]
+               for c in CASES if c["axes"].get("api") == "tensor_backward"}  # fmt: skip
+    assert outcome[0, True] == outcome[0, False] == "rejected"
+    assert outcome[1, True] == outcome[1, False] == "accepted"
+    allowed = r"isinstance\(self\.optimizer, ZeROOptimizer\)[^\n]*:\s*self\._support_torch_style_backward = True"
+    assert re.search(allowed, inspect.getsource(DeepSpeedEngine.__init__))
+    assert "not self._support_torch_style_backward" in inspect.getsource(
+        DeepSpeedEngine._backward_prologue
+    )
+    assert "ZeRO optimizer" in rule.reason and "managed or not" in rule.reason
+    assert "all-reduce" not in rule.reason  # the reduction's place depends on the mode
 
 
 def _stage2_bf16_fp32_accumulation():

@@ -64,7 +64,8 @@ class DeepSpeedEngine(Engine):
         self.skipped_steps = 0  # updates skipped for a non-finite gradient norm
         self.lr_scheduler = None  # set by initialize (lesson 08)
         self.training_dataloader = None  # initialize(training_data=...) (lesson 08)
-        self._window_empty = True  # no backward, no reduction since the last update (lesson 07)
+        self._window_empty = True  # no backward, no reduction since the last update (A3)
+        self._boundary_reduced = False  # managed: the boundary micro-step's reduction ran (A3)
         self._boundary_override = None  # set_gradient_accumulation_boundary() (managed only)
         self._inside_engine_backward = False  # the output hooks leave engine.backward() alone
         self._direct_backward_seen = False  # a direct loss.backward() is running
@@ -102,6 +103,10 @@ class DeepSpeedEngine(Engine):
     def after_backward(self) -> None:
         super().after_backward()
         self._window_empty = False
+        # The floor reduced if this was the boundary micro-step, outside no_sync(): DeepSpeed's
+        # ZeRO-1/2 average the window's gradients there, and step() needs that average.
+        if self.is_gradient_accumulation_boundary() and not self.inside_no_sync_ctxt:
+            self._boundary_reduced = True
 
     def _on_output_grad(self, grad):
         """Hook on the model's output: a backward pass reached it. Only a direct
@@ -136,7 +141,7 @@ class DeepSpeedEngine(Engine):
         super().step()
 
     def update(self) -> bool:
-        self._window_empty = True  # a new accumulation window starts
+        self._window_empty, self._boundary_reduced = True, False  # a new window starts
         self._step_applied = super().update()
         if self._step_applied:
             schedules.step_after_update(self.lr_scheduler, self._lr_kwargs, self.train_batch_size())
@@ -186,18 +191,22 @@ class DeepSpeedEngine(Engine):
             self.inside_no_sync_ctxt = False
             self._strategy_hook("defer_reduction", False)
             self.strategy.reduce_gradients()
-            self._window_empty = False  # reduced, even if nothing: DeepSpeed then steps
+            # Reduced, even if nothing, as the boundary: DeepSpeed then steps.
+            self._window_empty, self._boundary_reduced = False, True
 
     # -- the rules -------------------------------------------------------------------------------
     def check(self, op: str) -> None:
         """Raise what DeepSpeed raises for the engine call ``op`` (an op of
         :data:`gas_lab.rules.calls.CALLS`) in this engine's situation; the teaching mode that
         switches rules off (:mod:`gas_lab.rules.unsafe`) overrides this one method."""
-        # An update ahead (unmanaged: every step(); managed: the boundary) from no backward().
-        update = not self.managed or self.is_gradient_accumulation_boundary()
-        idle = op == "step" and update and self._window_empty
-        situation = refusals.Situation(self._config, situation_action(op),
-                                       inside_no_sync=self.inside_no_sync_ctxt, idle=idle)  # fmt: skip
+        # An update ahead (unmanaged: every step(); managed: the boundary) from no backward(),
+        # or (managed) from a window whose boundary micro-step reduced nothing.
+        update = op == "step" and (not self.managed or self.is_gradient_accumulation_boundary())
+        situation = refusals.Situation(
+            self._config, situation_action(op), inside_no_sync=self.inside_no_sync_ctxt,
+            idle=update and self._window_empty,
+            no_boundary_backward=update and self.managed and not self._boundary_reduced,
+        )  # fmt: skip
         refusals.enforce(situation)
 
     # -- read-only facts, named as in DeepSpeed --------------------------------------------------

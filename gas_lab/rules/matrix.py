@@ -18,6 +18,7 @@ DeepSpeed, so an upgrade that changes the matrix fails loudly.
 
 from __future__ import annotations
 
+import copy
 import itertools
 import json
 import platform
@@ -129,6 +130,21 @@ def cases() -> list[dict]:
             extra["bf16"] = {"enabled": True}
         out.append(_case("edges", _config(stage, managed, **extra), TRAIN[managed], stage=stage,
                          managed=managed, bf16=bf16, grad_accum_dtype=accum))  # fmt: skip
+    # Where the mean divides (lessons 05 and 08): prescale_gradients at stages 0-2 and, at
+    # stage 2, gradient_predivide_factor, with and without the keys ZeRO-2 checks them under.
+    rs_false = {"zero": {"reduce_scatter": False}}
+    division = {
+        "prescale": {"prescale_gradients": True},
+        "predivide": {"gradient_predivide_factor": 2.0},
+        "prescale_predivide": {"prescale_gradients": True, "gradient_predivide_factor": 2.0},
+        "prescale_sum": {"prescale_gradients": True, "gradient_allreduce_op": "sum"},
+        "prescale_reduce_scatter_false": {"prescale_gradients": True, **rs_false},
+    }
+    for stage, (name, extra) in [(0, ("prescale", division["prescale"])),
+                                 (1, ("prescale", division["prescale"])),
+                                 *((2, item) for item in division.items())]:  # fmt: skip
+        out.append(_case("edges", _config(stage, **copy.deepcopy(extra)), TRAIN[True],
+                         stage=stage, division=name))  # fmt: skip
     # 5. Lesson 09: ZeRO-2's reduction variants, managed and unmanaged (gas_lab implements the
     # default reduction, with any bucket size, and leaves the others to DeepSpeed).
     variants = {

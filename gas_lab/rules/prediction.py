@@ -37,18 +37,24 @@ def predict(
     cfg = parse(config)
     inside = False  # inside no_sync() or coalesce_grad_reduction(): both suspend the reduction
     idle, micro, override = True, 0, None  # no backward() since the last update; micro-steps
+    reduced = False  # managed: the boundary micro-step's backward() reduced since the last update
+    managed = cfg.managed_gradient_accumulation
     for op in ("initialize", *ops):
         action = situation_action(op)
         gas = cfg.gradient_accumulation_steps or 1
         boundary = override if override is not None else is_boundary(micro, gas)
-        update = op == "step" and (not cfg.managed_gradient_accumulation or boundary)
-        rule = first_violation(Situation(cfg, action, inside, pipeline, idle and update), ALL_RULES)
+        update = op == "step" and (not managed or boundary)
+        situation = Situation(cfg, action, inside, pipeline, idle and update,
+                              no_boundary_backward=update and managed and not reduced)  # fmt: skip
+        rule = first_violation(situation, ALL_RULES)
         if rule is not None:
             return rule, op
         if op in ("backward", "tensor_backward", "train_batch", "exit_coalesce"):
             idle = False  # leaving coalesce_grad_reduction() reduces, even nothing
+            reduced = reduced or op == "exit_coalesce" or (boundary and not inside)
         elif op == "step":
             idle, micro = idle or update, micro + 1
+            reduced = reduced and not update
         elif op.startswith("set_boundary_"):
             override = op == "set_boundary_true"
         if op in ("enter_no_sync", "enter_coalesce"):

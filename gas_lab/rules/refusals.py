@@ -4,7 +4,8 @@ With ``"managed_gradient_accumulation": false`` the *caller* owns the accumulati
 every ``step()`` is one, and no ``backward()`` is. Any feature that does boundary-gated work
 *during* ``backward()`` (reduce in a hook, unscale, compile the reduction into the graph) would
 wait for a boundary that never comes there, so DeepSpeed refuses it. Each :class:`Rule` holds
-the condition, why it is refused, the silent failure it prevents, the moment it fires
+the condition, why it is refused, what it prevents (wrong weights, extra communication or a
+crash later in the loop: not always silent), the moment it fires
 (``initialize``, ``call`` or ``context``: entering a with-block) and what DeepSpeed 0.19.8
 raises, measured by ``python -m gas_lab.rules.matrix`` into ``data/deepspeed_0.19.8_matrix.json``.
 A rule is checked at one engine call, its ``action`` (named in :mod:`gas_lab.rules.calls`).
@@ -48,6 +49,9 @@ class Situation:
     inside_no_sync: bool = False
     pipeline: bool = False  # the model is a DeepSpeed PipelineModule
     idle: bool = False  # a step() that would update, with no backward() since the last update
+    # Managed: the boundary step() of a window whose boundary micro-step ran no backward()
+    # that reduced (none, or one inside no_sync()), so the window's gradients were never averaged.
+    no_boundary_backward: bool = False
 
 
 @dataclass(frozen=True)
@@ -264,6 +268,43 @@ _WRITTEN: list[Rule] = [
         and s.config.model_dtype != s.config.grad_accum_dtype,
         order=330,
     ),
+    # -- lessons 05 and 08: where the mean divides (gas_lab/measure/edges.py, division) --------
+    Rule(
+        "predivide_stage2", "initialize", "initialize",
+        ("zero_optimization.stage=2", "gradient_predivide_factor"),
+        "ZeRO stage 2 averaging with reduce_scatter (the default), gradient_predivide_factor "
+        "other than 1.0",
+        "ZeRO-2's default reduction divides every bucket by the world size before the sum, in "
+        "one step with no factor in it; only the plain all-reduce of reduce_scatter false "
+        "splits the division around the sum by gradient_predivide_factor. DeepSpeed's ZeRO "
+        "optimizer refuses the key where it would not be read.",
+        "a factor you set, silently ignored: all of the division would happen before the "
+        "sum, whatever the factor.",
+        "AssertionError", "gradient_predivide_factor != 1.0 is not yet supported with ZeRO-2 "
+        "with reduce scatter enabled",
+        Example(config={"zero_optimization": {"stage": 2}, "gradient_predivide_factor": 2.0}),
+        lambda s: _stage(s) == 2 and s.config.zero_optimization.reduce_scatter
+        and s.config.gradient_allreduce_op == "mean" and s.config.gradient_predivide_factor != 1.0,
+        order=340,
+    ),
+    Rule(
+        "prescale_stage2", "initialize", "initialize",
+        ("zero_optimization.stage=2", "prescale_gradients"),
+        "ZeRO stage 2 averaging with reduce_scatter (the default), prescale_gradients true",
+        "prescale_gradients asks for the mean's division before the sum instead of after it. "
+        "ZeRO-2's default reduction divides every bucket before the sum anyway, in one place "
+        "with no switch, and DeepSpeed's ZeRO optimizer refuses the key there (after the "
+        "predivide check). Stage 0 and reduce_scatter false read it; stage 1's default "
+        "reduction, which divides first too, accepts it unchecked.",
+        "a key that would be read nowhere: the same run with it or without it, while the "
+        "config says the division was chosen.",
+        "AssertionError", "pre-scale gradients is not yet supported with ZeRO-2 with reduce "
+        "scatter enabled",
+        Example(config={"zero_optimization": {"stage": 2}, "prescale_gradients": True}),
+        lambda s: _stage(s) == 2 and s.config.zero_optimization.reduce_scatter
+        and s.config.gradient_allreduce_op == "mean" and s.config.prescale_gradients,
+        order=350,
+    ),
     Rule(
         "unmanaged_set_boundary", "set_gradient_accumulation_boundary", "call",
         (_MGA, "set_gradient_accumulation_boundary()"),
@@ -355,10 +396,12 @@ _WRITTEN: list[Rule] = [
         "tensor_backward_stage0", "loss.backward", "call",
         ("zero_optimization.stage=0", "loss.backward()"),
         "loss.backward() instead of engine.backward(loss) at ZeRO stage 0",
-        "A hook on the model's output sees every backward pass start and divides by GAS, but "
-        "at stage 0 nothing sees it end: the boundary all-reduce runs at the end of "
-        "engine.backward() only. (At stages 1-3 the ZeRO optimizer's gradient hooks notice the "
-        "end of a direct loss.backward(), so it is accepted there.)",
+        "DeepSpeed's hook on the model's output sees every backward pass start. To accept "
+        "loss.backward() it must also see the pass end, to run what engine.backward() runs "
+        "after it, and only a ZeRO optimizer, which counts the gradients as autograd delivers "
+        "them, can tell it that. Stage 0 has none, so the hook refuses the pass as it starts, "
+        "managed or not. (At stages 1-3 that count signals the end, so a direct "
+        "loss.backward() is accepted there, divided by GAS.)",
         "managed, the boundary all-reduce would never run: every rank would update from its "
         "own gradient and the replicas would drift apart.",
         "RuntimeError", "Direct calls to tensor.backward() are not supported",
@@ -366,15 +409,18 @@ _WRITTEN: list[Rule] = [
         lambda s: _stage(s) == 0,
         order=10,
     ),
-    # -- lesson 07: a rank with nothing to train on (data/deepspeed_0.19.8_idle_rank.json) ----
+    # -- appendix A3: a rank with fewer micro-batches, none included (the one statement of the
+    # rule: gas_lab.measure.idle_rank; measured in data/deepspeed_0.19.8_idle_rank.json) -------
     Rule(
         "idle_rank_stage1", "step", "call", (_MGA, "zero_optimization.stage=1", "step()"),
         "unmanaged, ZeRO stage 1, step() on a rank that ran no backward() since its last step()",
         "DeepSpeed's ZeRO-1 reduces, inside an unmanaged step(), the gradients this rank "
         "produced since the last one; with none it indexes an empty list and raises on this "
         "rank, while the other ranks wait in their gradient all-reduce and die when this one "
-        "does. (Stage 0 reduces zeros for the missing gradients and trains right.) Give an "
-        "idle rank a dummy micro-batch whose loss is multiplied by 0 and counts no tokens.",
+        "does. (Stage 0 reduces zeros for the missing gradients and trains right.) At stage 1 "
+        "every rank calls backward() at least once: give an idle rank a dummy micro-batch "
+        "whose loss is multiplied by 0 and counts no tokens (appendix A3 states the rule for "
+        "every stage).",
         "a loop that trains here (zeros for the idle rank) and crashes on DeepSpeed the first "
         "time a rank gets no data.",
         "IndexError", "list index out of range",
@@ -384,19 +430,22 @@ _WRITTEN: list[Rule] = [
     ),
     Rule(
         "idle_window_stage1", "step", "call", ("zero_optimization.stage=1", "step()"),
-        "managed, ZeRO stage 1, the boundary step() on a rank that ran no backward() since "
-        "the last update",
-        "DeepSpeed's ZeRO-1 computes the gradient norm from the partition the boundary "
-        "backward() averaged; a rank that ran none has no averaged gradient and raises in "
-        "step() (KeyError instead, in the very first window). Every rank must run the "
-        "window's micro-batches: give an idle rank dummy micro-batches whose loss is "
-        "multiplied by 0.",
+        "managed, ZeRO stage 1, the boundary step() on a rank that ran no backward() in the "
+        "boundary micro-step (none, or one inside no_sync())",
+        "DeepSpeed's ZeRO-1 averages the window's gradients in the backward() of the boundary "
+        "micro-step, and step() computes the gradient norm from that average. A rank that ran "
+        "no backward() there has none, even with backward() calls earlier in the window, and "
+        "raises in step() (KeyError instead, in the very first window). Managed, every rank "
+        "calls backward() gradient_accumulation_steps times, once per micro-step: give a rank "
+        "with fewer micro-batches zero-weight ones, whose loss is multiplied by 0 (appendix A3 "
+        "states the rule).",
         "with every rank idle, an update from zero gradients (Adam's moments still move the "
-        "weights); with one rank idle, mismatched collectives.",
+        "weights); with one rank short, mismatched collectives.",
         "TypeError", "'NoneType' object is not iterable",
-        Example(config={"zero_optimization": {"stage": 1}, "gradient_accumulation_steps": 1},
-                ops=("backward", "step", "step")),
-        lambda s: not _unmanaged(s) and _stage(s) == 1 and s.idle,
+        # A full window, then one whose last micro-step runs no backward(): the refined case.
+        Example(config={"zero_optimization": {"stage": 1}},
+                ops=("backward", "step", "backward", "step", "backward", "step", "step")),
+        lambda s: not _unmanaged(s) and _stage(s) == 1 and s.no_boundary_backward,
         order=20,
     ),
     Rule(
@@ -405,7 +454,10 @@ _WRITTEN: list[Rule] = [
         "DeepSpeed's ZeRO-2 finalizes, inside an unmanaged step(), the gradient partition this "
         "rank's backward() calls reduced into; with none the partition was never made and it "
         "raises on this rank, while the other ranks wait in a collective and die when this "
-        "one does. Give an idle rank a dummy micro-batch whose loss is multiplied by 0.",
+        "one does. At stage 2 every backward() reduces, so every rank calls it as often as "
+        "the busiest rank: a rank with fewer micro-batches, none included, makes up the "
+        "difference with zero-weight ones, whose loss is multiplied by 0 (appendix A3 states "
+        "the rule).",
         "a loop that trains here and crashes on DeepSpeed the first time a rank gets no data.",
         "TypeError", "'NoneType' object is not subscriptable",
         # A step with data first: in the very first window DeepSpeed raises KeyError instead.
@@ -415,17 +467,20 @@ _WRITTEN: list[Rule] = [
     ),
     Rule(
         "idle_window_stage2", "step", "call", ("zero_optimization.stage=2", "step()"),
-        "managed, ZeRO stage 2, the boundary step() on a rank that ran no backward() since "
-        "the last update",
-        "As at stage 1 (the same DeepSpeed code): the gradient norm is computed from the "
-        "partition the window's backward() calls reduced into, and a rank that ran none has "
-        "none. Give an idle rank dummy micro-batches whose loss is multiplied by 0.",
-        "with every rank idle, an update from zero gradients; with one rank idle, mismatched "
+        "managed, ZeRO stage 2, the boundary step() on a rank that ran no backward() in the "
+        "boundary micro-step",
+        "As at stage 1 (the same DeepSpeed code): the backward() of the boundary micro-step "
+        "finishes the gradient partition step() computes the norm from, and a rank that ran "
+        "none there has none, even with backward() calls earlier in the window. Managed, "
+        "every rank calls backward() gradient_accumulation_steps times, once per micro-step: "
+        "give a rank with fewer micro-batches zero-weight ones, whose loss is multiplied by 0 "
+        "(appendix A3 states the rule).",
+        "with every rank idle, an update from zero gradients; with one rank short, mismatched "
         "collectives.",
         "TypeError", "'NoneType' object is not iterable",
-        Example(config={"zero_optimization": {"stage": 2}, "gradient_accumulation_steps": 1},
-                ops=("backward", "step", "step")),
-        lambda s: not _unmanaged(s) and _stage(s) == 2 and s.idle,
+        Example(config={"zero_optimization": {"stage": 2}},
+                ops=("backward", "step", "backward", "step", "backward", "step", "step")),
+        lambda s: not _unmanaged(s) and _stage(s) == 2 and s.no_boundary_backward,
         order=20,
     ),
     Rule(
@@ -435,7 +490,9 @@ _WRITTEN: list[Rule] = [
         "backward() since the last update",
         "DeepSpeed clips the gradients that exist; with none it indexes an empty list. "
         "(Without clipping the optimizer skips parameters without a gradient: no update.) "
-        "Give an idle rank dummy micro-batches whose loss is multiplied by 0.",
+        "Managed, every rank calls backward() gradient_accumulation_steps times: give an idle "
+        "rank zero-weight micro-batches, whose loss is multiplied by 0 (appendix A3 states the "
+        "rule).",
         "nothing silent: refused because DeepSpeed fails here (with one rank idle, the ranks' "
         "collectives would not match anyway).",
         "IndexError", "list index out of range",
