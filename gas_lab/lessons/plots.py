@@ -9,6 +9,7 @@ on a projector and on the docs site (tests/test_docs_site.py measures it).
 
 from __future__ import annotations
 
+import io
 import math
 from collections.abc import Mapping, Sequence
 
@@ -159,3 +160,23 @@ def plot_outcomes(
         ax.set_title(title)
     fig.tight_layout()
     return fig
+
+
+def svg(fig: Figure) -> str:
+    """The figure as SVG text, text kept as text (sharp, searchable, measurable)."""
+    buffer = io.StringIO()
+    with plt.rc_context({"svg.fonttype": "none"}):
+        fig.savefig(buffer, format="svg")
+    out = buffer.getvalue()
+    return out[out.index("<svg") :]
+
+
+def with_still_picture(bundle: dict, what: str, picture: str, controls: str) -> dict:
+    """A widget's display bundle plus a still SVG ``picture`` of its current state, for the docs
+    site and any viewer without a kernel (which show the HTML and ignore the widget)."""
+    bundle["text/html"] = (
+        '<div class="gas-lab-explorer-snapshot">'
+        f"<p><em>A still picture of the {what}. In JupyterLab {controls}.</em></p>"
+        f"{picture}</div>"
+    )
+    return bundle

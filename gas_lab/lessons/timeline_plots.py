@@ -23,7 +23,6 @@ optimizer step on every rank.
 from __future__ import annotations
 
 import html
-import io
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -32,6 +31,7 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
+from gas_lab.lessons.plots import svg, with_still_picture
 from gas_lab.measure.timeline import Event, PlanError, check_plan, collectives, ranks, record_on
 
 try:
@@ -347,15 +347,6 @@ def plot_side_by_side(
     return fig
 
 
-def svg(fig: Figure) -> str:
-    """The figure as SVG text, text kept as text (sharp, searchable, measurable)."""
-    buffer = io.StringIO()
-    with plt.rc_context({"svg.fonttype": "none"}):
-        fig.savefig(buffer, format="svg")
-    out = buffer.getvalue()
-    return out[out.index("<svg") :]
-
-
 # ---------------------------------------------------------------- JupyterLab
 def timeline_explorer(cluster, n_max: int = 4, **start):
     """Library, mode, stage and N per rank as controls, and the timeline they give, recorded on
@@ -436,11 +427,7 @@ class TimelineExplorer(w.VBox if w is not None else object):
 
     def _repr_mimebundle_(self, **kwargs) -> dict:
         """The live widget, plus a still picture for viewers without a kernel."""
-        bundle = super()._repr_mimebundle_(**kwargs)
-        bundle["text/html"] = (
-            '<div class="gas-lab-explorer-snapshot">'
-            f"<p><em>A still picture of the timeline explorer ({self.message.value}). "
-            "In JupyterLab its buttons and sliders record and redraw it.</em></p>"
-            f"{self._svg}</div>"
-        )
-        return bundle
+        return with_still_picture(
+            super()._repr_mimebundle_(**kwargs), f"timeline explorer ({self.message.value})",
+            self._svg, "its buttons and sliders record and redraw it",
+        )  # fmt: skip

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import html
-import io
 from collections.abc import Iterator, Sequence
 
 import ipywidgets as w
@@ -27,6 +26,7 @@ from gas_lab.accumulate import (
     split_batch,
     token_loss,
 )
+from gas_lab.lessons.plots import svg, with_still_picture
 from gas_lab.toys import TinySeqModel, sequence_batch, spread_lengths
 
 
@@ -156,22 +156,14 @@ class AccumulationExplorer(w.VBox):
         ax.relim()
         ax.autoscale_view()
         ax.legend()  # anew: a legend copies the line styles it was made with
-        buffer = io.StringIO()
-        with plt.rc_context({"svg.fonttype": "none"}):  # text stays text: sharp, searchable
-            self._fig.savefig(buffer, format="svg")
-        svg = buffer.getvalue()
-        return svg[svg.index("<svg") :]
+        return svg(self._fig)
 
     def _repr_mimebundle_(self, **kwargs) -> dict:
         """The live widget, plus a picture of its current state for viewers without a kernel."""
-        bundle = super()._repr_mimebundle_(**kwargs)
-        bundle["text/html"] = (
-            '<div class="gas-lab-explorer-snapshot">'
-            f"<p><em>A still picture of the explorer ({html.escape(self.label.value)}). "
-            "In JupyterLab its sliders and menu redraw the plot live.</em></p>"
-            f"{self._svg}</div>"
-        )
-        return bundle
+        return with_still_picture(
+            super()._repr_mimebundle_(**kwargs), f"explorer ({html.escape(self.label.value)})",
+            self._svg, "its sliders and menu redraw the plot live",
+        )  # fmt: skip
 
 
 def accumulation_explorer(n_max: int = 8) -> AccumulationExplorer:
