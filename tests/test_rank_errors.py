@@ -7,6 +7,7 @@ bad arguments get one line naming the argument; huge output is capped with a not
 
 import json
 import os
+import re
 import sys
 
 import psutil
@@ -150,7 +151,8 @@ def test_a_first_deepspeed_start_is_start_up_work_not_a_stall(tmp_path):
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["same"] and result["seconds"] > 3
     assert "start-up work, so the call waits for it" in proc.stderr
-    assert "stalled" not in proc.stderr and os.listdir(tmp_path)  # built there, cold
+    # a word, not a substring: DeepSpeed's and the compiler's lines may say "installed"
+    assert not re.search(r"\bstalled\b", proc.stderr) and os.listdir(tmp_path)  # built, cold
     print(f"cold DeepSpeed start with timeout=3: {result['seconds']:.1f} s")
 
 

@@ -51,3 +51,52 @@ def test_the_main_thread_is_read_from_a_faulthandler_dump():
         '  File "<dynamic-code>", line 9 in spin\n'
     )
     assert main_thread_frames(dump, 0x7F0000000001) == [("<dynamic-code>", 9, "spin")]
+
+
+def test_a_dump_that_pauses_part_way_is_read_to_the_main_thread(tmp_path):
+    """On a loaded machine the rank's signal handler can pause between two lines of the dump;
+    the main thread (written last) must still be read, not reported as no stack."""
+    import threading
+    import time
+
+    from gas_lab.runtime.rank_state import _read_main_thread
+
+    path = tmp_path / "stack.txt"
+    path.write_text("")
+
+    def write():
+        with open(path, "a") as f:
+            f.write(
+                'Thread 0x00007f0000000002 (most recent call first):\n  File "/x.py", line 1 in w\n'
+            )
+            f.flush()
+            time.sleep(0.3)  # paused part-way
+            f.write("\nCurrent thread 0x00007f0000000001 (most recent call first):\n")
+            f.write('  File "<dynamic-code>", line 9 in spin\n')
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    frames = _read_main_thread(str(path), 0, 0x7F0000000001, wait=2.0)
+    writer.join()
+    assert frames == [("<dynamic-code>", 9, "spin")]
+
+
+def test_a_compiler_that_exits_while_listed_is_skipped_not_a_failed_sample():
+    """A build's compilers come and go; one gone between listing and naming is not an error."""
+    import psutil
+
+    from gas_lab.runtime.rank_state import _children_names
+
+    class Gone:
+        def name(self):
+            raise psutil.NoSuchProcess(12345)
+
+    class Ninja:
+        def name(self):
+            return "ninja"
+
+    class Rank:
+        def children(self, recursive):
+            return [Gone(), Ninja()]
+
+    assert _children_names(Rank()) == ["ninja"]

@@ -39,7 +39,19 @@ _ID = re.compile(r"^gas_lab-(\d+)-(\d+)-")
 def new_cluster_id(port: int) -> str:
     """An id naming the owning process: ``gas_lab-<pid>-<start time in ms>-<port>``."""
     me = psutil.Process()
-    return f"gas_lab-{me.pid}-{int(me.create_time() * 1000)}-{port}"
+    return f"gas_lab-{me.pid}-{_born_ms(me)}-{port}"
+
+
+def _born_ms(p: psutil.Process) -> int:
+    """When ``p`` started, in ms. On Linux, counted from boot: psutil's wall-clock start time
+    moves when the clock is set (NTP on a freshly booted machine, a laptop waking up), and a
+    moved start time would make a live owner look gone, and its ranks end."""
+    try:
+        with open(f"/proc/{p.pid}/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime
+        return ticks * 1000 // os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return int(p.create_time() * 1000)
 
 
 def owner_alive(cluster_id: str) -> bool:
@@ -50,7 +62,7 @@ def owner_alive(cluster_id: str) -> bool:
     pid, born_ms = int(m[1]), int(m[2])
     try:
         p = psutil.Process(pid)
-        return abs(p.create_time() * 1000 - born_ms) < 1000 and p.status() != psutil.STATUS_ZOMBIE
+        return abs(_born_ms(p) - born_ms) < 1000 and p.status() != psutil.STATUS_ZOMBIE
     except psutil.Error:
         return False
 

@@ -32,13 +32,14 @@ STARTUP = {"importing", "building", "build_lock", "deepspeed_init"}  # busy, and
 class RankState:
     kind: str  # collective, importing, building, build_lock, deepspeed_init, computing, unknown
     text: str  # for the learner: "waiting in a collective (all_reduce, called from f line 6)"
+    frames: tuple = ()  # the main thread's stack, innermost first, as (file, line, function)
 
     @property
     def starting_up(self) -> bool:
         return self.kind in STARTUP
 
 
-def _is_user(path: str) -> bool:
+def is_user_code(path: str) -> bool:
     """The learner's code (the notebook, their files, gas_lab's lessons), not a library's."""
     if "site-packages" in path or path == "<string>" or path.startswith("<frozen"):
         return False
@@ -49,11 +50,19 @@ def _is_user(path: str) -> bool:
 
 def _user_frame(frames: list[tuple[str, int, str]]) -> str:
     """The innermost frame of the learner's own code, as ``fn line N``."""
-    return next((f"{fn} line {line}" for path, line, fn in frames if _is_user(path)), "the runtime")
+    return next(
+        (f"{fn} line {line}" for path, line, fn in frames if is_user_code(path)), "the runtime"
+    )
 
 
 def classify(frames: list[tuple[str, int, str]], children: list[str], cpu: float) -> RankState:
     """``frames`` innermost first, as (file, line, function)."""
+    state = _classify(frames, children, cpu)
+    state.frames = tuple(frames)
+    return state
+
+
+def _classify(frames: list[tuple[str, int, str]], children: list[str], cpu: float) -> RankState:
     where = _user_frame(frames)
     if any(c in COMPILERS for c in children):
         return RankState("building", "building a C++ op (ninja and the compiler are running)")
@@ -105,21 +114,40 @@ def sample(pid: int, stack_file: str, main_ident: int, wait: float = 1.0) -> Ran
         cpu0, t0 = sum(proc.cpu_times()[:2]), time.monotonic()
         start = os.path.getsize(stack_file)
         os.kill(pid, STACK_SIGNAL)
-        deadline, size = time.monotonic() + wait, start
-        while time.monotonic() < deadline:
-            time.sleep(0.05)
-            new = os.path.getsize(stack_file)
-            if new > start and new == size:
-                break  # written, and no longer growing
-            size = new
-        with open(stack_file) as f:
-            f.seek(start)
-            dump = f.read()
+        frames = _read_main_thread(stack_file, start, main_ident, wait)
         cpu = 100 * (sum(proc.cpu_times()[:2]) - cpu0) / max(time.monotonic() - t0, 1e-3)
-        children = [c.name() for c in proc.children(recursive=True)]
     except (psutil.Error, OSError):
         return RankState("unknown", "not responding")
-    frames = main_thread_frames(dump, main_ident)
     if not frames:
         return RankState("unknown", "no stack received")
-    return classify(frames, children, cpu)
+    return classify(frames, _children_names(proc), cpu)
+
+
+def _read_main_thread(stack_file: str, start: int, main_ident: int, wait: float) -> list:
+    """The main thread's frames from the dump the rank appends after ``start``. The rank's signal
+    handler writes it a line at a time, and on a loaded machine it can pause part-way: read
+    once the main thread's part is there and the file has stopped growing."""
+    deadline, size, still = time.monotonic() + wait, start, 0
+    while True:
+        time.sleep(0.05)
+        new = os.path.getsize(stack_file)
+        still, size = (still + 1 if new == size else 0), new
+        done = time.monotonic() >= deadline
+        if (size > start and still >= 2) or done:  # 0.1 s without a new line, or out of time
+            with open(stack_file) as f:
+                f.seek(start)
+                frames = main_thread_frames(f.read(), main_ident)
+            if frames or done:
+                return frames
+
+
+def _children_names(proc: psutil.Process) -> list[str]:
+    """Names of the rank's descendants. A compiler started by a build exits at any moment,
+    also between being listed and being asked its name: skip it then."""
+    names = []
+    for child in proc.children(recursive=True):
+        try:
+            names.append(child.name())
+        except psutil.Error:
+            continue
+    return names
