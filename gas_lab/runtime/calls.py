@@ -34,6 +34,9 @@ RESAMPLE = 1.0
 # less often, so that the stack samples (a signal to each rank) and the stale-lock checks stay
 # rare while a build and the ranks waiting for its lock are in flight.
 RESAMPLE_BUILD = 10.0
+# A rank's result and its output travel on different channels, so the result can arrive while
+# the last of its output is still on the way: wait up to this long for the rest.
+OUTPUT_GRACE = 10.0
 
 
 def _failed(f) -> bool:
@@ -57,14 +60,27 @@ class Call:
     def result(self) -> list:
         __tracebackhide__ = True
         try:
-            self._wait()
-        except KeyboardInterrupt:
-            self.out.close(self.futures)
-            if not self.restart:  # at start-up: the caller ends the half-started ranks
-                raise
-            raise self._interrupted() from None
+            try:
+                self._wait()
+            except KeyboardInterrupt:
+                self._close_output()
+                if not self.restart:  # at start-up: the caller ends the half-started ranks
+                    raise
+                raise self._interrupted() from None
+            self._close_output()
+            return self._outcome()
+        except (RankError, RankStallError, RankInterrupt) as exc:
+            self.cluster.last_error = exc  # the full report, after the notebook shows the gist
+            raise
+
+    def _close_output(self) -> None:
+        """Show the rest of the output of every rank that answered (ipyparallel's
+        ``wait_for_output``), then end the live lines and add the cap's notes."""
+        deadline = time.monotonic() + OUTPUT_GRACE
+        for f in self.futures:
+            if f.ready():
+                f.wait_for_output(max(0.0, deadline - time.monotonic()))
         self.out.close(self.futures)
-        return self._outcome()
 
     # -- waiting ------------------------------------------------------------------------------
     def _wait(self) -> None:
@@ -105,7 +121,7 @@ class Call:
     def _stop_work(self, ranks: list[int]) -> str | None:
         """Interrupt ``ranks`` and wait for their work to stop. None if it stopped with the
         process group still in step; otherwise why the ranks had to be restarted."""
-        states = self.states or self.cluster.sample(ranks)
+        self.states = states = self.states or self.cluster.sample(ranks)
         stuck = {r: s for r, s in states.items() if r in ranks and s.kind == "collective"}
         if not stuck:
             for r in ranks:
@@ -117,7 +133,7 @@ class Call:
                     time.sleep(0.05)
             except KeyboardInterrupt:
                 pass  # interrupted again: no more waiting, restart
-            self.out.close(self.futures)
+            self._close_output()
             left = self.unfinished()
             if not left:
                 counts = self.cluster.collective_counts()
@@ -128,6 +144,7 @@ class Call:
                     "their process group was out of step"
                 )
             stuck = self.cluster.sample(left)
+            self.states.update(stuck)
         return "; ".join(
             f"rank {r} was {s.text} and cannot be stopped there" for r, s in stuck.items()
         )
@@ -151,7 +168,12 @@ class Call:
                 f"Interrupted: {why}, so the ranks were restarted ({seconds:.1f} s); variables on "
                 "the ranks are lost."
             )
-        return RankInterrupt(msg, restarted=why is not None, seconds=seconds)
+        return RankInterrupt(msg, why is not None, seconds, self._stopped(ranks), self.states)
+
+    def _stopped(self, ranks: list[int]) -> dict[int, str]:
+        """Where each of ``ranks`` was stopped: the traceback of its KeyboardInterrupt."""
+        ranked = zip(self.ranks, self.futures, strict=True)
+        return {r: error_text(f) for r, f in ranked if r in ranks and _failed(f)}
 
     # -- the outcome --------------------------------------------------------------------------
     def _outcome(self) -> list:
@@ -165,6 +187,7 @@ class Call:
             kind = "error" if f.exception() is not None else f.get()[0]
             (unsendable if kind == "unsendable" else errors)[r] = error_text(f)
         stalled = [r for r, f in ranked if not f.ready() and r not in self.died]
+        fresh, self.cluster.fresh = self.cluster.fresh, False  # said once, by this call
         if self.died or errors or unsendable:
             restarted = bool(self.died or stalled) and self.restart
             crash = {r: self.cluster.crash_report(r) for r in self.died}
@@ -178,7 +201,8 @@ class Call:
                 unsendable=unsendable,
                 crash={r: t for r, t in crash.items() if t},
                 what=self.what,
-                fresh=self.cluster.fresh,
+                fresh=fresh,
+                ranks=self.ranks,
             )
         if stalled:
             states = self.states or self.cluster.sample(stalled)
@@ -186,8 +210,8 @@ class Call:
             if not self.restart:  # at start-up: the caller stops the ranks
                 raise RankStallError(stalled, finished, self.timeout, states, restarted=None)
             why = self._stop_work(stalled)
+            stopped = self._stopped(stalled) if why is None else {}
             if why is not None:
                 self.cluster.restart()
-            raise RankStallError(stalled, finished, self.timeout, states, why is not None)
-        self.cluster.fresh = False
+            raise RankStallError(stalled, finished, self.timeout, states, why is not None, stopped)
         return [pickle.loads(f.get()[1]) for f in self.futures]

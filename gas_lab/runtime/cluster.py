@@ -39,7 +39,7 @@ from gas_lab.runtime import build_lock, lifetime
 from gas_lab.runtime.arguments import check_seconds, check_world_size
 from gas_lab.runtime.calls import Call
 from gas_lab.runtime.magic import register_magic
-from gas_lab.runtime.on_rank import call_on_rank, exec_on_rank, setup_rank
+from gas_lab.runtime.on_rank import call_on_rank, exec_on_rank, remember_source, setup_rank
 from gas_lab.runtime.rank_errors import RankError, RankInterrupt, RankStallError  # noqa: F401
 from gas_lab.runtime.sending import ship_module_by_value, source_of
 from gas_lab.runtime.watch import RankWatch
@@ -111,6 +111,7 @@ class Cluster(RankWatch):
         self.startup_seconds = 0.0
         self.stopped_by_user = False
         self.fresh = False  # started anew by a call: its error says earlier variables are gone
+        self.last_error = None  # the last failed call's error; str() is its full report
 
     # -- life cycle -------------------------------------------------------------------------
     def start(self) -> Cluster:
@@ -238,12 +239,15 @@ class Cluster(RankWatch):
         what = getattr(fn, "__qualname__", None) or repr(fn)
         return Call(self, self._submit(fn, *args, **kwargs), timeout, what).result()
 
-    def execute(self, code: str, timeout: float = DEFAULT_TIMEOUT) -> None:
-        """Run source code on every rank, in each rank's persistent namespace (``%%ranks``)."""
+    def execute(self, code: str, timeout: float = DEFAULT_TIMEOUT, cell: str | None = None) -> None:
+        """Run source code on every rank, in each rank's persistent namespace (``%%ranks``).
+        ``cell`` names it in tracebacks (``In[7]``, what ``%%ranks`` passes)."""
         __tracebackhide__ = True
         timeout = check_seconds(timeout)
         self._ensure_running()
-        Call(self, self._submit(exec_on_rank, code), timeout, "the %%ranks cell").result()
+        name = f"<%%ranks {cell or abs(hash(code))}>"
+        remember_source(name, code.splitlines(keepends=True))  # for a stalled rank's stack
+        Call(self, self._submit(exec_on_rank, code, name), timeout, "the %%ranks cell").result()
 
     def push(self, **names) -> None:
         """Copy notebook variables into every rank's namespace."""

@@ -95,7 +95,7 @@ def sequence_number() -> int:
     return dist.distributed_c10d._get_default_group()._get_sequence_number_for_group()
 
 
-def _remember_source(filename: str, lines: list[str], first_line: int = 1) -> None:
+def remember_source(filename: str, lines: list[str], first_line: int = 1) -> None:
     """Let tracebacks on a rank show the source of code that only exists in the notebook."""
     import linecache
 
@@ -117,7 +117,7 @@ def call_on_rank(fn, args, kwargs, source=None):
 
     code = getattr(fn, "__code__", None)
     if source and code is not None:
-        _remember_source(code.co_filename, *source)
+        remember_source(code.co_filename, *source)
     try:
         result = fn(*args, **kwargs)
     except BaseException as exc:
@@ -141,10 +141,9 @@ def call_on_rank(fn, args, kwargs, source=None):
         )
 
 
-def exec_on_rank(code: str):
+def exec_on_rank(code: str, name: str):
     """Runs on a rank: execute a ``%%ranks`` cell in the rank's persistent namespace."""
     from IPython import get_ipython
 
-    name = f"<%%ranks cell {abs(hash(code))}>"
-    _remember_source(name, code.splitlines(keepends=True))
+    remember_source(name, code.splitlines(keepends=True))
     exec(compile(code, name, "exec"), get_ipython().user_ns)
