@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -12,6 +13,7 @@ import torch
 
 import gas_lab
 from gas_lab.runtime.cluster import RankError, RankStallError
+from gas_lab.runtime.lifetime import run_command
 
 pytestmark = pytest.mark.ranks
 
@@ -149,6 +151,63 @@ def test_no_process_survives_stop_or_exit(end):
         time.sleep(0.2)
     leaked = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
     assert leaked == []
+
+
+def test_one_notebooks_ranks_are_five_light_processes(cluster):
+    """2 ranks, ipyparallel's controller (its schedulers are threads) with its heart monitor,
+    and the guardian: one notebook's whole cost on a laptop."""
+    procs = psutil.Process().children(recursive=True)
+    names = sorted(" ".join(p.cmdline()[1:3]) for p in procs)
+    assert len(procs) == 5, names
+    assert sum("rank_process" in n for n in names) == 2 and sum("lifetime" in n for n in names) == 1
+
+
+_FIRST = """
+import gas_lab, json, sys
+c = gas_lab.start_cluster(world_size=2, device="cpu")
+print(json.dumps(c.pids), flush=True)
+sys.stdin.read()  # a notebook left open
+gas_lab.stop_cluster()
+"""
+_SECOND = """
+import gas_lab
+c = gas_lab.start_cluster(world_size=2, device="cpu")
+assert gas_lab.start_cluster(device="cpu", stop_others=True) is c
+gas_lab.stop_cluster()
+"""
+
+
+def test_a_second_notebook_names_the_first_ones_ranks_and_can_stop_them(tmp_path):
+    # Their own temporary folder: what this test process runs is no other notebook of theirs.
+    env = os.environ | {"TMPDIR": str(tmp_path), "PYTHONUNBUFFERED": "1"}
+    first = subprocess.Popen(
+        [sys.executable, "-c", _FIRST],
+        env=env | {"JPY_SESSION_NAME": "/course/tutorials/04_unmanaged.ipynb"},
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        pids = json.loads(first.stdout.readline())
+        second = run_command(
+            [sys.executable, "-c", _SECOND],
+            timeout=180,
+            env=env | {"JPY_SESSION_NAME": "/course/tutorials/05_zero1.ipynb"},
+        )
+        assert second.returncode == 0, second.stderr
+        named = re.search(
+            r"gas_lab: another notebook's ranks are running: 04_unmanaged.ipynb "
+            r"\(4 processes, \d+ MB\)\. .* start with gas_lab.start_cluster\(stop_others=True\)",
+            second.stderr,
+        )
+        assert named, second.stderr
+        assert "gas_lab: stopped the ranks of 04_unmanaged.ipynb (4 processes" in second.stderr
+        assert not [
+            p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"
+        ]
+    finally:
+        first.kill()
+        first.wait()
 
 
 def test_bad_device_is_a_clear_error():

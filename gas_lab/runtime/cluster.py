@@ -64,6 +64,9 @@ _HEARTBEAT_MS = 100
 _CONTROLLER_ARGS = [
     f"--HeartMonitor.period={_HEARTBEAT_MS}",
     f"--HeartMonitor.max_heartmonitor_misses={30_000 // _HEARTBEAT_MS}",
+    # ipyparallel's schedulers (hub, queues, broadcast tree: 8 processes by default) as threads
+    # of the controller: 2 ranks talk to one notebook, nothing to spread over cores.
+    "--IPController.use_threads=True",
 ]
 _ENGINE_ARGS = [
     f"--IPEngine.max_heartbeat_misses={30_000 // (_HEARTBEAT_MS + 500)}",
@@ -132,6 +135,8 @@ class Cluster(RankWatch):
         self._tmp = tempfile.mkdtemp(prefix=lifetime.TMP_PREFIX)
         with open(os.path.join(self._tmp, "cluster_id"), "w") as f:
             f.write(self.cluster_id)
+        with open(os.path.join(self._tmp, "notebook"), "w") as f:  # Jupyter names it
+            f.write(os.path.basename(os.environ.get("JPY_SESSION_NAME", "")))
         self._guardian = lifetime.start_guardian(self.cluster_id, self._tmp)
         marker = {lifetime.MARKER: self.cluster_id}
         env = {
@@ -274,6 +279,11 @@ class Cluster(RankWatch):
             why = "the ranks had been stopped (cluster.stop() or gas_lab.stop_cluster())"
         elif self._ipp is None:
             why = "the ranks were not running"
+        elif os.path.exists(os.path.join(self._tmp, "stopped_by")):
+            with open(os.path.join(self._tmp, "stopped_by")) as f:
+                why = (
+                    f"the ranks had been stopped from {f.read()} (start_cluster(stop_others=True))"
+                )
         else:
             dead = "; ".join(f"rank {r} {how}" for r, how in self.dead_ranks().items())
             why = f"a rank had ended ({dead})"
@@ -290,7 +300,10 @@ _current: Cluster | None = None
 
 
 def start_cluster(
-    world_size: int | None = None, restart: bool = False, device: str | None = None
+    world_size: int | None = None,
+    restart: bool = False,
+    device: str | None = None,
+    stop_others: bool = False,
 ) -> Cluster:
     """Start the notebook's ranks, or return the ones already running.
 
@@ -299,6 +312,9 @@ def start_cluster(
     machine (the course's tests do, so they check the same thing everywhere). Asking for a
     different world size or device, or ``restart=True``, stops the running ranks first, so
     processes never pile up; ranks an earlier kernel left behind are ended too.
+
+    Ranks another notebook started (its kernel still running) are named when new ranks start;
+    ``stop_others=True`` stops them (that notebook gets fresh ranks at its next rank cell).
     """
     global _current
     world_size = check_world_size(world_size)
@@ -314,6 +330,8 @@ def start_cluster(
             f"world_size={world_size} but this machine has {gpus} GPUs: nccl needs one "
             "GPU per rank. Use world_size <= the GPU count, or device='cpu'."
         )
+    if stop_others:
+        _stop_others()
     if _current is not None and _current.running and not restart:
         if (_current.world_size, _current.backend) == (world_size, backend):
             return _current
@@ -325,10 +343,43 @@ def start_cluster(
         print(f"gas_lab: ended {ended} processes an earlier kernel left running", file=sys.stderr)
     if build_lock.locks():
         build_lock.clear_stale_locks(say=lambda m: print(m, file=sys.stderr))
+    if not stop_others:
+        _name_others()
     _current = Cluster(world_size, backend).start()
     started = _current
     register_magic(lambda: _current or started, DEFAULT_TIMEOUT)
     return _current
+
+
+def _running_text(c: dict) -> str:
+    return f"{c['notebook']} ({c['processes']} processes, {c['mb']:.0f} MB)"
+
+
+def _name_others() -> None:
+    """One line naming the ranks other notebooks left running, and how to stop them: on a
+    laptop they hold memory (and cores, while they work) that these ranks need."""
+    others = lifetime.other_clusters()
+    if others:
+        whose = "another notebook's" if len(others) == 1 else f"{len(others)} other notebooks'"
+        print(
+            f"gas_lab: {whose} ranks are running: {', '.join(map(_running_text, others))}. "
+            "They share this machine's cores and memory; to stop them, start with "
+            "gas_lab.start_cluster(stop_others=True), or shut that notebook's kernel down.",
+            file=sys.stderr,
+        )
+
+
+def _stop_others() -> None:
+    me = os.path.basename(os.environ.get("JPY_SESSION_NAME", "")) or "another notebook"
+    for c in lifetime.other_clusters():
+        with open(os.path.join(c["folder"], "stopped_by"), "w") as f:  # that notebook says so
+            f.write(me)
+        lifetime.end_cluster(c["id"], None)  # its folder stays: its kernel still owns it
+        print(
+            f"gas_lab: stopped the ranks of {_running_text(c)}; that notebook starts fresh "
+            "ranks at its next rank cell.",
+            file=sys.stderr,
+        )
 
 
 def stop_cluster() -> None:

@@ -130,14 +130,41 @@ def end_orphans() -> int:
             end_processes(procs)
             ended += len(procs)
     for folder in glob.glob(os.path.join(tempfile.gettempdir(), TMP_PREFIX + "*")):
-        try:
-            with open(os.path.join(folder, "cluster_id")) as f:
-                cid = f.read().strip()
-        except OSError:
-            continue
-        if not owner_alive(cid):
+        cid = _read(folder, "cluster_id")
+        if cid is not None and not owner_alive(cid):
             shutil.rmtree(folder, ignore_errors=True)
     return ended
+
+
+def other_clusters() -> list[dict]:
+    """The clusters other running kernels started on this machine (another notebook's ranks):
+    ``id``, ``folder``, ``notebook`` (its name, when Jupyter told the kernel), ``processes``
+    and ``mb`` (resident memory). Each cluster's folder names its owner (``cluster_id``)."""
+    marked, found, mine = _marked(), [], f"gas_lab-{os.getpid()}-"
+    for folder in glob.glob(os.path.join(tempfile.gettempdir(), TMP_PREFIX + "*")):
+        cid, notebook = (_read(folder, name) for name in ("cluster_id", "notebook"))
+        procs = [p for p in marked.get(cid, []) if _running(p)]
+        if cid is None or cid.startswith(mine) or not procs or not owner_alive(cid):
+            continue
+        rss = 0
+        for p in procs:
+            try:
+                rss += p.memory_info().rss
+            except psutil.Error:
+                pass
+        name = notebook or f"the kernel with pid {_ID.match(cid)[1]}"
+        found.append(
+            dict(id=cid, folder=folder, notebook=name, processes=len(procs), mb=rss / 2**20)
+        )
+    return found
+
+
+def _read(folder: str, name: str) -> str | None:
+    try:
+        with open(os.path.join(folder, name)) as f:
+            return f.read().strip()
+    except OSError:
+        return None
 
 
 def start_guardian(cluster_id: str, tmp: str) -> subprocess.Popen:
