@@ -110,7 +110,7 @@ class Cluster(RankWatch):
         self._ipp = self._client = self._guardian = None
         self._tmp = self.cluster_id = None
         self.pids: list[int] = []
-        self._main_threads: list[int] = []
+        self._set_up = False  # the ranks ran setup_rank: they can be sampled
         self.startup_seconds = 0.0
         self.stopped_by_user = False
         self.fresh = False  # started anew by a call: its error says earlier variables are gone
@@ -185,7 +185,7 @@ class Cluster(RankWatch):
         self.pids = [e.pid for e in self._engine_launchers()]  # known before any rank answers
         infos = Call(self, futures, timeout=120, what="start-up", restart=False).result()
         self.pids = [i["pid"] for i in infos]
-        self._main_threads = [i["main_thread"] for i in infos]
+        self._set_up = True
         self.startup_seconds = time.perf_counter() - t0
         return self
 
@@ -209,7 +209,7 @@ class Cluster(RankWatch):
         lifetime.end_cluster(self.cluster_id, self._tmp, self.pids)
         lifetime.stop_guardian(self._guardian)
         self._ipp = self._client = self._guardian = None
-        self.pids = []
+        self.pids, self._set_up = [], False
         if build_lock.locks():  # a C++ build killed part-way leaves its lock behind
             build_lock.clear_stale_locks(say=lambda m: print(m, file=sys.stderr))
 

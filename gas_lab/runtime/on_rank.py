@@ -10,7 +10,6 @@ def setup_rank(rank: int, store_path: str, pg_timeout_s: float, tmp: str, cluste
     """Runs on each notebook rank once: set the torchrun-style variables, join the group, and
     prepare what the notebook needs to watch the rank (see the helpers below)."""
     import os
-    import threading
 
     import torch.distributed as dist
 
@@ -26,7 +25,6 @@ def setup_rank(rank: int, store_path: str, pg_timeout_s: float, tmp: str, cluste
         "rank": dist.get_rank(),
         "pid": os.getpid(),
         "backend": dist.get_backend(),
-        "main_thread": threading.main_thread().ident,
     }
 
 
@@ -34,9 +32,11 @@ _kept_open: list = []  # files faulthandler writes to must stay open for the pro
 
 
 def _watch_stack_and_crash(stack_path: str, tmp: str, rank: int) -> None:
-    """SIGUSR2 appends every thread's stack to ``stack_path`` (even while blocked in C++, so the
-    notebook can tell a rank waiting in a collective from a busy one), and a crash (SIGSEGV, ...)
-    writes where it happened to ``crash-<rank>.txt``, which the notebook shows."""
+    """SIGUSR2 appends the interrupted thread's stack to ``stack_path`` (even while blocked in
+    C++, so the notebook can tell a rank waiting in a collective from a busy one; the notebook
+    signals the main thread), and a crash (SIGSEGV, ...) writes where it happened to
+    ``crash-<rank>.txt``, which the notebook shows. One thread only: a dump of every thread
+    reads the others' frames as they change, and can crash the rank (rank_state)."""
     import faulthandler
     import os
     import signal
@@ -45,7 +45,7 @@ def _watch_stack_and_crash(stack_path: str, tmp: str, rank: int) -> None:
     crash = open(os.path.join(tmp, f"crash-{rank}.txt"), "w")
     _kept_open.extend([stack, crash])
     if hasattr(signal, "SIGUSR2"):  # POSIX only
-        faulthandler.register(signal.SIGUSR2, file=stack, all_threads=True, chain=False)
+        faulthandler.register(signal.SIGUSR2, file=stack, all_threads=False, chain=False)
     faulthandler.enable(file=crash, all_threads=False)
 
 
