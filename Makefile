@@ -14,6 +14,10 @@ EXECUTED := build/notebooks
 ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root)
 # DeepSpeed without a GPU uses its CPU accelerator.
 export DS_ACCELERATOR ?= cpu
+# DeepSpeed's C++ ops are built once into the course's environment, not into ~/.cache, which
+# every environment of the user shares (each would rebuild over the others); importing gas_lab
+# picks the same folder (gas_lab/runtime/build_lock.py), for what make does not start.
+export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/$(VENV)/torch_extensions
 
 .PHONY: install lab test unit notebooks lint course docs bench gpu-check clean normalize
 

@@ -118,6 +118,20 @@ def test_cells_keep_state_on_each_rank(cluster, capsys):
     assert "raise KeyError('missing')" in str(info.value)  # the cell's own line, not ours
 
 
+def test_the_ranks_say_built_only_when_a_build_ran(cluster, capsys):
+    """DeepSpeed prints "... built successfully" whenever it loads its op; the runtime says
+    "built" when the ranks really built one (the first call here, in a fresh environment)."""
+    from gas_lab.lessons import hello
+
+    cluster.run(hello.train_tiny_deepspeed, 1, timeout=900)
+    first = "".join(capsys.readouterr())  # DeepSpeed's line is the ranks' stdout; ours stderr
+    assert "built successfully" not in first
+    built = dict(cluster.built)
+    assert ("gas_lab: the ranks built DeepSpeed's C++ op" in first) == bool(built)
+    cluster.run(hello.train_tiny_deepspeed, 1)  # the op is in the environment's cache now
+    assert "built" not in "".join(capsys.readouterr()) and cluster.built == built
+
+
 def test_everything_listens_on_loopback_only(cluster):
     procs = psutil.Process().children(recursive=True)
     listening = [c.laddr.ip for p in procs for c in p.net_connections() if c.status == "LISTEN"]

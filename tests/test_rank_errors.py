@@ -134,7 +134,7 @@ c = gas_lab.start_cluster(world_size=2, device="cpu")
 t = time.time()
 out = c.run(hello.train_tiny_deepspeed, 1, timeout=3)
 same = bool((out[0]["params"] == out[1]["params"]).all())
-print(json.dumps({"seconds": time.time() - t, "same": same}))
+print(json.dumps({"seconds": time.time() - t, "same": same, "built": c.built}))
 gas_lab.stop_cluster()
 """
 
@@ -150,6 +150,9 @@ def test_a_first_deepspeed_start_is_start_up_work_not_a_stall(tmp_path):
     assert proc.returncode == 0, proc.stderr[:3000] + "\n...\n" + proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["same"] and result["seconds"] > 3
+    assert list(result["built"]) == ["deepspeed_shm_comm"]  # said once, by the runtime
+    assert "gas_lab: the ranks built DeepSpeed's C++ op deepspeed_shm_comm (" in proc.stderr
+    assert "built successfully" not in proc.stdout + proc.stderr
     assert "start-up work, so the call waits for it" in proc.stderr
     # a word, not a substring: DeepSpeed's and the compiler's lines may say "installed"
     assert not re.search(r"\bstalled\b", proc.stderr) and os.listdir(tmp_path)  # built, cold

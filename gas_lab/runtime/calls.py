@@ -53,6 +53,7 @@ class Call:
         self.died: dict[int, str] = {}
         self.states: dict = {}
         self.out = RankOutput(self.ranks, cluster.noise)
+        self.ops = build_lock.built_ops()  # to tell which C++ ops this call built
 
     def unfinished(self) -> list[int]:
         return [r for r, f in zip(self.ranks, self.futures, strict=True) if not f.ready()]
@@ -68,6 +69,7 @@ class Call:
                     raise
                 raise self._interrupted() from None
             self._close_output()
+            self._note_builds()
             return self._outcome()
         except (RankError, RankStallError, RankInterrupt) as exc:
             self.cluster.last_error = exc  # the full report, after the notebook shows the gist
@@ -81,6 +83,18 @@ class Call:
             if f.ready():
                 f.wait_for_output(max(0.0, deadline - time.monotonic()))
         self.out.close(self.futures)
+
+    def _note_builds(self) -> None:
+        """Say which C++ ops the ranks built during this call, and keep it in ``cluster.built``.
+        (DeepSpeed prints "built successfully" whenever it loads an op, built or not: the
+        runtime hides that line.)"""
+        for op, seconds in build_lock.builds_since(self.ops).items():
+            self.cluster.built[op] = seconds
+            print(
+                f"gas_lab: the ranks built DeepSpeed's C++ op {op} ({seconds:.0f} s), once for "
+                f"this environment: it is kept in {build_lock.extensions_root()}",
+                file=sys.stderr,
+            )
 
     # -- waiting ------------------------------------------------------------------------------
     def _wait(self) -> None:
