@@ -118,6 +118,21 @@ def test_cells_keep_state_on_each_rank(cluster, capsys):
     assert "raise KeyError('missing')" in str(info.value)  # the cell's own line, not ours
 
 
+def _renamed_collectives():
+    import torch
+    import torch.distributed as dist
+
+    gathered, shard = torch.empty(2), torch.empty(1)
+    dist.all_gather_into_tensor(gathered, torch.ones(1))  # names torch 2.13 deprecated, which
+    dist.reduce_scatter_tensor(shard, torch.ones(2))  # DeepSpeed 0.19.8 calls
+    return gathered.tolist() + shard.tolist()
+
+
+def test_ranks_do_not_warn_about_collectives_deepspeed_calls_by_their_old_names(cluster, capsys):
+    assert cluster.run(_renamed_collectives) == [[1.0, 1.0, 2.0]] * 2
+    assert "deprecated" not in capsys.readouterr().err
+
+
 def test_the_ranks_say_built_only_when_a_build_ran(cluster, capsys):
     """DeepSpeed prints "... built successfully" whenever it loads its op; the runtime says
     "built" when the ranks really built one (the first call here, in a fresh environment)."""

@@ -19,6 +19,7 @@ def setup_rank(rank: int, store_path: str, pg_timeout_s: float, tmp: str, cluste
     _watch_stack_and_crash(os.path.join(tmp, f"stack-{rank}.txt"), tmp, rank)
     _end_with_owner(cluster_id)
     _text_progress_bars()
+    _quiet_renamed_collectives()
     # A file store (not a TCP store) so that nothing listens beyond gloo's loopback pairs.
     init_from_env(f"file://{store_path}", pg_timeout_s)
     return {
@@ -84,6 +85,17 @@ def _text_progress_bars() -> None:
     finally:
         if hidden is not None:
             sys.modules["ipykernel.zmqshell"] = hidden
+
+
+def _quiet_renamed_collectives() -> None:
+    """torch 2.13 renamed two collectives; DeepSpeed 0.19.8 calls them by their old names, and
+    each call would print a FutureWarning above the lesson's output that is no fault of it."""
+    import warnings
+
+    for name in ("all_gather_into_tensor", "reduce_scatter_tensor"):
+        warnings.filterwarnings(
+            "ignore", f"`torch.distributed.{name}` is deprecated", FutureWarning
+        )
 
 
 def sequence_number() -> int:
