@@ -147,6 +147,22 @@ def test_the_ranks_say_built_only_when_a_build_ran(cluster, capsys):
     assert "built" not in "".join(capsys.readouterr()) and cluster.built == built
 
 
+def test_lesson00_says_built_only_when_the_ranks_built(cluster, capsys):
+    """Lesson 00 times its first DeepSpeed run; "a one-time C++ build" only if one ran."""
+    import nbformat
+
+    from gas_lab.lessons import hello
+
+    path = os.path.join(os.path.dirname(__file__), "..", "tutorials", "00_setup.ipynb")
+    cell = next(c for c in nbformat.read(path, as_version=4).cells if c.get("id") == "ae29534a")
+    assert "first DeepSpeed run" in cell.source
+    built_before = dict(cluster.built)
+    exec(cell.source, {"cluster": cluster, "hello": hello, "time": time})
+    first = next(ln for ln in capsys.readouterr().out.splitlines() if "first DeepSpeed" in ln)
+    assert ("C++ build" in first) == (cluster.built != built_before), first
+    assert "its C++ op was built before" in first or cluster.built != built_before
+
+
 def test_everything_listens_on_loopback_only(cluster):
     procs = psutil.Process().children(recursive=True)
     listening = [c.laddr.ip for p in procs for c in p.net_connections() if c.status == "LISTEN"]
