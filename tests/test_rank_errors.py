@@ -125,6 +125,26 @@ def test_start_up_work_gets_the_time_it_needs(cluster, tmp_path, capsys):
     assert "start-up work, so the call waits for it" in err
 
 
+def _import_slow_then_work(folder, seconds):
+    import importlib
+    import sys
+    import time
+
+    sys.path.insert(0, folder)
+    value = importlib.import_module("gas_lab_slow_module_2").VALUE  # not imported on the ranks yet
+    time.sleep(seconds)  # the work itself, past the moment the start-up work ended
+    return value
+
+
+def test_the_work_after_start_up_work_gets_the_calls_timeout(cluster, tmp_path, capsys):
+    """Start-up work (4 s) outlasts the timeout (3 s); the work after it (2 s) must not be
+    stopped by the first look that finds the start-up over (DeepSpeed's first start: the op
+    built, the ranks in their first forward)."""
+    (tmp_path / "gas_lab_slow_module_2.py").write_text(_SLOW_MODULE.format(seconds=4))
+    assert cluster.run(_import_slow_then_work, str(tmp_path), 2.0, timeout=3) == [42, 42]
+    assert "start-up work, so the call waits for it" in capsys.readouterr().err
+
+
 _COLD_START = """
 import json, os, sys, time
 os.environ["TORCH_EXTENSIONS_DIR"] = sys.argv[1]  # an empty cache: DeepSpeed builds its op

@@ -7,7 +7,8 @@ that blame the right thing.
 * At the timeout the unfinished ranks are sampled (:mod:`~gas_lab.runtime.rank_state`): ranks
   waiting in a collective stalled, and the ranks are restarted; a rank still *starting up*
   (importing, building a C++ op, inside ``deepspeed.initialize``) gets up to
-  :data:`STARTUP_LIMIT` seconds; a rank still computing is stopped with a KeyboardInterrupt.
+  :data:`STARTUP_LIMIT` seconds, and the work after it gets the call's timeout again; a rank
+  still computing is stopped with a KeyboardInterrupt.
 * Kernel -> Interrupt stops the work on the ranks the same way; a rank that cannot be stopped
   (blocked in a collective) gets the ranks restarted. The error says which happened.
 """
@@ -100,6 +101,7 @@ class Call:
     def _wait(self) -> None:
         start = time.monotonic()
         deadline, first_bad, next_look, noted = start + self.timeout, None, 0.0, set()
+        work_timed = False  # the work after start-up got the call's own timeout
         # A rank that died never answers (nothing relays its death to ipyparallel): once every
         # other rank has answered, there is nothing left to wait for.
         while any(r not in self.died for r in self.unfinished()):
@@ -115,8 +117,15 @@ class Call:
             if now > deadline:
                 self.states = self.cluster.sample(self.unfinished())
                 starting = {r: s for r, s in self.states.items() if s.starting_up}
-                if not starting or now - start > STARTUP_LIMIT:
+                if now - start > STARTUP_LIMIT:
                     return
+                if not starting:
+                    if not noted or work_timed or self._any_in_collective():
+                        return
+                    # Start-up work ended since the last look, and the ranks now compute: the
+                    # timeout is for the work itself, which may have begun a moment ago.
+                    work_timed, deadline = True, now + self.timeout
+                    continue
                 for r, s in starting.items():
                     if (r, s.kind) not in noted:
                         noted.add((r, s.kind))
@@ -131,6 +140,9 @@ class Call:
                 building = bool(kinds & {"building", "build_lock"})
                 deadline = now + (RESAMPLE_BUILD if building else RESAMPLE)
             time.sleep(0.05)
+
+    def _any_in_collective(self) -> bool:
+        return any(s.kind == "collective" for s in self.states.values())
 
     def _stop_work(self, ranks: list[int]) -> str | None:
         """Interrupt ``ranks`` and wait for their work to stop. None if it stopped with the
