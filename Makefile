@@ -14,8 +14,12 @@ EXECUTED := build/notebooks
 ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root)
 # DeepSpeed without a GPU uses its CPU accelerator.
 export DS_ACCELERATOR ?= cpu
+# DeepSpeed's C++ ops are built once into the course's environment, not into ~/.cache, which
+# every environment of the user shares (each would rebuild over the others); importing gas_lab
+# picks the same folder (gas_lab/runtime/build_lock.py), for what make does not start.
+export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/$(VENV)/torch_extensions
 
-.PHONY: install lab test unit notebooks lint course docs bench gpu-check clean
+.PHONY: install lab test unit notebooks lint course docs bench gpu-check clean normalize
 
 install: $(STAMP)
 
@@ -27,10 +31,12 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 # The course's JupyterLab settings: lab/overrides.json turns off the "official Jupyter news?"
-# toast (and the update check) that would greet every learner.
+# toast (and the update check) that would greet every learner; lab/page_config.json turns off
+# ipyparallel's "IP" cluster panel (its clusters are not the course's ranks); with
+# lab/jupyter_lab_config.py a notebook opens unmodified on any Python 3.11.x.
 lab: $(STAMP)  ## the course: JupyterLab on tutorials/
 	$(BIN)/jupyter lab --ip 127.0.0.1 --notebook-dir tutorials \
-	  --LabApp.app_settings_dir=$(CURDIR)/lab $(ROOT_FLAG)
+	  --LabApp.app_settings_dir=$(CURDIR)/lab --config=$(CURDIR)/lab/jupyter_lab_config.py $(ROOT_FLAG)
 
 test: lint $(STAMP)  ## every test: unit + 2-rank, every notebook (nbmake), ruff, the docs site
 	rm -rf $(EXECUTED) && mkdir -p $(EXECUTED) && cp -r tutorials/. $(EXECUTED)/
@@ -44,6 +50,9 @@ unit: $(STAMP)
 notebooks: $(STAMP)  ## execute every notebook under nbmake, keeping the executed copies
 	rm -rf $(EXECUTED) && mkdir -p $(EXECUTED) && cp -r tutorials/. $(EXECUTED)/
 	$(PYTEST) $(EXECUTED) --nbmake --nbmake-timeout=600 --overwrite
+
+normalize: $(STAMP)  ## rewrite every notebook in the form JupyterLab saves (else it opens modified)
+	$(BIN)/python tools/normalize_notebooks.py $(shell find tutorials -name '*.ipynb' -not -path '*/.ipynb_checkpoints/*')
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -70,3 +70,32 @@ def test_a_rank_waiting_on_a_stale_lock_is_freed(cluster, ext_root, capsys):
     err = capsys.readouterr().err
     assert "is still waiting for a C++ op build lock" in err
     assert "removed a stale build lock (less than a minute old; no process held it)" in err
+
+
+_CACHE = "import os, gas_lab; print(os.environ.get('TORCH_EXTENSIONS_DIR'))"
+
+
+@pytest.mark.parametrize("given", [None, "/elsewhere/torch_extensions"])
+def test_importing_gas_lab_builds_ops_in_the_environments_own_folder(given, monkeypatch):
+    """Not ~/.cache, which every environment shares and rebuilds over; a folder set is kept."""
+    if given:
+        monkeypatch.setenv("TORCH_EXTENSIONS_DIR", given)
+    else:
+        monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    out = subprocess.run([sys.executable, "-c", _CACHE], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == (given or f"{sys.prefix}/torch_extensions")
+
+
+def test_a_build_is_told_from_a_load_by_the_op_library_and_timed_by_ninjas_log(ext_root):
+    folder = ext_root / "some_op"  # TORCH_EXTENSIONS_DIR set: ops sit right under it
+    folder.mkdir()
+    before = build_lock.built_ops()
+    assert before == {} and build_lock.builds_since(before) == {}
+    (folder / ".ninja_log").write_text(
+        "# ninja log v5\n0\t41000\t1\tops.o\tab\n41001\t41500\t2\tsome_op.so\tcd\n"
+    )
+    (folder / "some_op.so").write_bytes(b"")  # the link, the build's last step
+    assert build_lock.builds_since(before) == {"some_op": 41.5}
+    loaded = build_lock.built_ops()
+    assert build_lock.builds_since(loaded) == {}  # loading it again builds nothing

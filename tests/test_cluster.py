@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -12,6 +13,7 @@ import torch
 
 import gas_lab
 from gas_lab.runtime.cluster import RankError, RankStallError
+from gas_lab.runtime.lifetime import run_command
 
 pytestmark = pytest.mark.ranks
 
@@ -116,6 +118,51 @@ def test_cells_keep_state_on_each_rank(cluster, capsys):
     assert "raise KeyError('missing')" in str(info.value)  # the cell's own line, not ours
 
 
+def _renamed_collectives():
+    import torch
+    import torch.distributed as dist
+
+    gathered, shard = torch.empty(2), torch.empty(1)
+    dist.all_gather_into_tensor(gathered, torch.ones(1))  # names torch 2.13 deprecated, which
+    dist.reduce_scatter_tensor(shard, torch.ones(2))  # DeepSpeed 0.19.8 calls
+    return gathered.tolist() + shard.tolist()
+
+
+def test_ranks_do_not_warn_about_collectives_deepspeed_calls_by_their_old_names(cluster, capsys):
+    assert cluster.run(_renamed_collectives) == [[1.0, 1.0, 2.0]] * 2
+    assert "deprecated" not in capsys.readouterr().err
+
+
+def test_the_ranks_say_built_only_when_a_build_ran(cluster, capsys):
+    """DeepSpeed prints "... built successfully" whenever it loads its op; the runtime says
+    "built" when the ranks really built one (the first call here, in a fresh environment)."""
+    from gas_lab.lessons import hello
+
+    cluster.run(hello.train_tiny_deepspeed, 1, timeout=900)
+    first = "".join(capsys.readouterr())  # DeepSpeed's line is the ranks' stdout; ours stderr
+    assert "built successfully" not in first
+    built = dict(cluster.built)
+    assert ("gas_lab: the ranks built DeepSpeed's C++ op" in first) == bool(built)
+    cluster.run(hello.train_tiny_deepspeed, 1)  # the op is in the environment's cache now
+    assert "built" not in "".join(capsys.readouterr()) and cluster.built == built
+
+
+def test_lesson00_says_built_only_when_the_ranks_built(cluster, capsys):
+    """Lesson 00 times its first DeepSpeed run; "a one-time C++ build" only if one ran."""
+    import nbformat
+
+    from gas_lab.lessons import hello
+
+    path = os.path.join(os.path.dirname(__file__), "..", "tutorials", "00_setup.ipynb")
+    cell = next(c for c in nbformat.read(path, as_version=4).cells if c.get("id") == "ae29534a")
+    assert "first DeepSpeed run" in cell.source
+    built_before = dict(cluster.built)
+    exec(cell.source, {"cluster": cluster, "hello": hello, "time": time})
+    first = next(ln for ln in capsys.readouterr().out.splitlines() if "first DeepSpeed" in ln)
+    assert ("C++ build" in first) == (cluster.built != built_before), first
+    assert "its C++ op was built before" in first or cluster.built != built_before
+
+
 def test_everything_listens_on_loopback_only(cluster):
     procs = psutil.Process().children(recursive=True)
     listening = [c.laddr.ip for p in procs for c in p.net_connections() if c.status == "LISTEN"]
@@ -149,6 +196,63 @@ def test_no_process_survives_stop_or_exit(end):
         time.sleep(0.2)
     leaked = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
     assert leaked == []
+
+
+def test_one_notebooks_ranks_are_five_light_processes(cluster):
+    """2 ranks, ipyparallel's controller (its schedulers are threads) with its heart monitor,
+    and the guardian: one notebook's whole cost on a laptop."""
+    procs = psutil.Process().children(recursive=True)
+    names = sorted(" ".join(p.cmdline()[1:3]) for p in procs)
+    assert len(procs) == 5, names
+    assert sum("rank_process" in n for n in names) == 2 and sum("lifetime" in n for n in names) == 1
+
+
+_FIRST = """
+import gas_lab, json, sys
+c = gas_lab.start_cluster(world_size=2, device="cpu")
+print(json.dumps(c.pids), flush=True)
+sys.stdin.read()  # a notebook left open
+gas_lab.stop_cluster()
+"""
+_SECOND = """
+import gas_lab
+c = gas_lab.start_cluster(world_size=2, device="cpu")
+assert gas_lab.start_cluster(device="cpu", stop_others=True) is c
+gas_lab.stop_cluster()
+"""
+
+
+def test_a_second_notebook_names_the_first_ones_ranks_and_can_stop_them(tmp_path):
+    # Their own temporary folder: what this test process runs is no other notebook of theirs.
+    env = os.environ | {"TMPDIR": str(tmp_path), "PYTHONUNBUFFERED": "1"}
+    first = subprocess.Popen(
+        [sys.executable, "-c", _FIRST],
+        env=env | {"JPY_SESSION_NAME": "/course/tutorials/04_unmanaged.ipynb"},
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        pids = json.loads(first.stdout.readline())
+        second = run_command(
+            [sys.executable, "-c", _SECOND],
+            timeout=180,
+            env=env | {"JPY_SESSION_NAME": "/course/tutorials/05_zero1.ipynb"},
+        )
+        assert second.returncode == 0, second.stderr
+        named = re.search(
+            r"gas_lab: another notebook's ranks are running: 04_unmanaged.ipynb "
+            r"\(4 processes, \d+ MB\)\. .* start with gas_lab.start_cluster\(stop_others=True\)",
+            second.stderr,
+        )
+        assert named, second.stderr
+        assert "gas_lab: stopped the ranks of 04_unmanaged.ipynb (4 processes" in second.stderr
+        assert not [
+            p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"
+        ]
+    finally:
+        first.kill()
+        first.wait()
 
 
 def test_bad_device_is_a_clear_error():

@@ -10,7 +10,7 @@ measured (one or two float32 ulps), and the tests below print the worst differen
 
 Cost: the first DeepSpeed start with FusedAdam JIT-builds its C++ op on each machine (once per
 ``TORCH_EXTENSIONS_DIR``; 122 s measured on 2 busy cores), paid here by the ``fused`` fixture
-with a timeout that allows for it; afterwards the op loads in about 2 s.
+(tests/conftest.py) with a timeout that allows for it; afterwards the op loads in about 2 s.
 """
 
 import random
@@ -20,25 +20,6 @@ import pytest
 pytestmark = pytest.mark.ranks
 
 TOL = 1e-6
-FUSED_BUILD_TIMEOUT = 900  # a cold build on a loaded 2-core machine, both ranks waiting on it
-
-
-def _load_fused_adam():
-    """On a rank: build (first time on this machine) or load DeepSpeed's FusedAdam op."""
-    import time
-
-    from deepspeed.ops.op_builder import FusedAdamBuilder
-
-    start = time.perf_counter()
-    FusedAdamBuilder().load()
-    return time.perf_counter() - start
-
-
-@pytest.fixture(scope="module")
-def fused(cluster):
-    seconds = cluster.run(_load_fused_adam, timeout=FUSED_BUILD_TIMEOUT)
-    print(f"FusedAdam op ready in {max(seconds):.1f} s (a cold build is the slow case)")
-    return cluster
 
 
 def _run(cfg, kw):

@@ -28,7 +28,6 @@ pytestmark = pytest.mark.ranks
 
 LIBS = ("deepspeed", "gas_lab")
 HIDDEN = 4
-FUSED_BUILD_TIMEOUT = 900  # a cold JIT build of FusedAdam on a loaded 2-core machine
 TIMEOUT = 180
 
 # DeepSpeed's tests at stages 0 and 1 that are not ported, and why (a feature gas_lab leaves
@@ -343,19 +342,6 @@ def _checkpointed(lib: str, use_reentrant: bool, dtype: str) -> list[str]:
             engine.step()
         engine.destroy()
     return found
-
-
-@pytest.fixture(scope="module")
-def fused(cluster):
-    """The ranks, with DeepSpeed's FusedAdam op built (its tests use the fused path)."""
-
-    def load():
-        from deepspeed.ops.op_builder import FusedAdamBuilder
-
-        FusedAdamBuilder().load()
-
-    cluster.run(load, timeout=FUSED_BUILD_TIMEOUT)
-    return cluster
 
 
 DTYPES = ["preferred", "fp32"]  # DeepSpeed's choice (bf16 here), and fp32's tighter tolerances

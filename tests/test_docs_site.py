@@ -20,6 +20,7 @@ import os
 import re
 import shutil
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -113,19 +114,39 @@ def _wait_for_math(browser) -> None:
     )
 
 
+def _network_settled(browser, timeout: float = 10.0) -> list[dict]:
+    """The page's network events, read once the web fonts are in and every request the page
+    started has finished or failed (late ones, such as fonts and deferred scripts, included),
+    instead of waiting a fixed time on every page."""
+    browser.execute_async_script(
+        "const done = arguments[arguments.length - 1];"
+        "document.fonts.ready.then(() => requestAnimationFrame(() => done()));"
+    )
+    messages, pending = [], set()
+    deadline = time.monotonic() + timeout
+    while True:
+        for entry in browser.get_log("performance"):
+            message = json.loads(entry["message"])["message"]
+            messages.append(message)
+            request = message.get("params", {}).get("requestId")
+            if message["method"] == "Network.requestWillBeSent":
+                pending.add(request)
+            elif message["method"] in ("Network.loadingFinished", "Network.loadingFailed"):
+                pending.discard(request)
+        if not pending:
+            return messages
+        assert time.monotonic() < deadline, f"requests still loading after {timeout} s"
+        time.sleep(0.02)
+
+
 def visit(browser, site: str, page: str, size: tuple[int, int] = DESKTOP) -> Visit:
     browser.get_log("performance"), browser.get_log("browser")  # drop the previous page's
     browser.set_window_size(*size)
     browser.get(site + page)
     _wait_for_math(browser)
-    browser.execute_async_script(  # late requests (web fonts, deferred scripts) settle
-        "const done = arguments[arguments.length - 1];"
-        "document.fonts.ready.then(() => setTimeout(done, 300));"
-    )
     seen = Visit(page)
     urls = {}
-    for entry in browser.get_log("performance"):
-        message = json.loads(entry["message"])["message"]
+    for message in _network_settled(browser):
         method, params = message["method"], message.get("params", {})
         if method == "Network.requestWillBeSent":
             url = params["request"]["url"]

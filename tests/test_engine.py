@@ -142,13 +142,9 @@ def test_set_boundary_overrides_the_counter_when_managed():
     assert engine.global_steps == 2  # stays overridden until set again
 
 
-def test_unmanaged_refuses_set_boundary_and_coalesce():
-    engine, _ = make(managed=False)
-    with pytest.raises(RejectedCombination, match="set_gradient_accumulation_boundary"):
-        engine.set_gradient_accumulation_boundary(True)
-    with pytest.raises(RejectedCombination, match="coalesce_grad_reduction"):
-        with engine.coalesce_grad_reduction():
-            pass
+# Unmanaged set_gradient_accumulation_boundary() and coalesce_grad_reduction(), and coalescing at
+# stage 0, are refused on this engine with their message at their moment by
+# tests/test_rules.py::test_rule_fires_on_the_engine_with_its_message_at_its_moment.
 
 
 @pytest.mark.parametrize("managed", [True, False])
@@ -163,13 +159,6 @@ def test_step_inside_no_sync_is_refused(managed):
                 pass
     assert not engine.inside_no_sync_ctxt
     engine.step()  # fine once outside
-
-
-def test_coalesce_at_stage_0_is_refused_like_deepspeed():
-    engine, _ = make()
-    with pytest.raises(RejectedCombination, match="stage 1/2/3"):
-        with engine.coalesce_grad_reduction():
-            pass
 
 
 def test_pipeline_models_are_refused_or_out_of_scope():

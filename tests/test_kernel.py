@@ -5,6 +5,7 @@ messages a learner reads. Every row of issue 14's table: zero processes left wit
 """
 
 import os
+import re
 import signal
 import tempfile
 import time
@@ -55,8 +56,12 @@ class Kernel:
             out.append((time.monotonic() - t0, msg))
             if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
                 break
-        reply = self.kc.get_shell_msg(timeout=30)["content"]
-        return out, reply, interrupted
+        # The reply to this cell: wait_for_ready may have left kernel_info replies in the queue
+        # (it asks again every second until the kernel answers, as on a loaded machine).
+        reply = self.kc.get_shell_msg(timeout=30)
+        while reply["parent_header"].get("msg_id") != msg_id:
+            reply = self.kc.get_shell_msg(timeout=30)
+        return out, reply["content"], interrupted
 
     def run(self, code: str, **kw):
         return self.collect(self.submit(code), **kw)
@@ -74,6 +79,12 @@ def text_of(messages, kind=("stream",)) -> str:
             c = m["content"]
             parts.append(c.get("text") or c.get("data", {}).get("text/plain", ""))
     return "".join(parts)
+
+
+def rendered(messages) -> list[str]:
+    """The cell's error as JupyterLab shows it: the lines of its error output, without colour."""
+    tb = next(m["content"]["traceback"] for _, m in messages if m["msg_type"] == "error")
+    return re.sub(r"\x1b\[[0-9;]*m", "", "\n".join(tb)).splitlines()
 
 
 START = "import gas_lab, os, time\nc = gas_lab.start_cluster(world_size=2, device='cpu')"
@@ -111,7 +122,7 @@ def test_no_process_outlives_its_kernel(case):
         procs = psutil.Process(k.pid).children(recursive=True)
         folders = Path(tempfile.gettempdir()).glob("gas_lab_ranks_*")
         folder = next(f for f in folders if _owned_by(f, k.pid))
-        assert len(procs) >= 3 * 2 + 1  # controller(s), 2 engines + nannies, the guardian
+        assert len(procs) == 5  # the guardian, the controller and its heart monitor, 2 ranks
         if busy:
             k.submit("c.run(time.sleep, 60)")
             time.sleep(2)
@@ -165,6 +176,14 @@ def test_interrupt_stops_the_work_and_keeps_the_ranks(kernel):
     assert reply["status"] == "error" and reply["ename"] == "RankInterrupt", reply
     assert "stopped" in reply["evalue"] and "keep their variables" in reply["evalue"]
     assert ended < 5, f"the cell ended {ended:.1f} s after the interrupt"
+    lines = rendered(msgs)  # where rank 0 was stopped, in the learner's function, first
+    assert lines[0] == "Traceback on rank 0 (most recent call last):"
+    assert re.fullmatch(r"  Cell In\[\d+\], line \d+, in spin", lines[1]), lines
+    assert lines[2].strip() in ("while time.time() - t < seconds:", "pass")
+    assert "KeyboardInterrupt" in lines[:6]
+    assert lines[-1].startswith("gas_lab: Interrupted: the work on ranks [0, 1] stopped after")
+    assert lines[-1].endswith("Full report: print(cluster.last_error).")
+    assert not any("gas_lab/runtime" in line for line in lines)
     msgs, reply, _ = kernel.run("assert c.pids == pids\nprint(c.run(os.getenv, 'KEPT'))")
     assert reply["status"] == "ok" and "['1', '1']" in text_of(msgs)
     assert msgs[-1][0] < 3, "the next call waited for work the interrupt should have stopped"
@@ -190,6 +209,12 @@ def test_interrupt_in_a_collective_restarts_the_ranks_and_says_so(kernel):
     assert "rank 0 was waiting in a collective (all_reduce" in reply["evalue"]
     assert "restarted" in reply["evalue"]
     assert ended < 40, f"the cell ended {ended:.1f} s after the interrupt"
+    lines = rendered(msgs)  # where rank 0 waits, in the learner's function, first
+    assert lines[0] == "Stack on rank 0 (most recent call last):"
+    assert re.fullmatch(r"  Cell In\[\d+\], line \d+, in lonely", lines[1]), lines
+    assert lines[2] == "    dist.all_reduce(torch.ones(1))  # rank 1 never joins"
+    assert lines[3].startswith("rank 0 is waiting in a collective (all_reduce, called from lonely")
+    assert "so the ranks were restarted" in lines[-1]
     msgs, reply, _ = kernel.run("assert c.pids != pids\nprint(c.run(os.getpid) == c.pids)")
     assert reply["status"] == "ok" and "True" in text_of(msgs)
     assert msgs[-1][0] < 3, "the next call should not pay for the stuck collective"
@@ -254,3 +279,41 @@ def test_after_stop_a_ranks_cell_says_the_ranks_are_new(kernel):
     )
     assert reply["ename"] == "RankError" and "NameError" in reply["evalue"]
     assert "started anew for this call" in reply["evalue"]
+
+
+RAISES = """%%ranks
+import torch.distributed as dist
+if dist.get_rank() == 1:
+    raise ValueError("boom")
+"""
+
+
+def test_a_rank_error_shows_the_ranks_own_traceback_first(kernel):
+    msgs, reply, _ = kernel.run(RAISES)
+    assert reply["status"] == "error" and reply["ename"] == "RankError", reply
+    lines = rendered(msgs)
+    assert lines[0] == "Traceback on rank 1 (most recent call last):"
+    assert re.fullmatch(r"  Cell In\[\d+\], line 3, in <module>", lines[1]), lines
+    assert lines[2:4] == ['    raise ValueError("boom")', "ValueError: boom"]
+    assert lines[-1] == (
+        "gas_lab: rank 1 failed; rank 0 finished; the ranks keep their variables. "
+        "Full report: print(cluster.last_error)."
+    )
+    assert not any("gas_lab/runtime" in line or "run_cell_magic" in line for line in lines)
+    msgs, reply, _ = kernel.run("print(c.last_error)")  # the full report, as the line says
+    assert "rank 1 raised ValueError: boom\n" in text_of(msgs)
+
+
+def test_a_stall_shows_where_the_rank_waits_first(kernel):
+    kernel.run(LONELY)
+    msgs, reply, _ = kernel.run("c.run(lonely, timeout=2)")
+    assert reply["status"] == "error" and reply["ename"] == "RankStallError", reply
+    lines = rendered(msgs)
+    assert lines[0] == "Stack on rank 0 (most recent call last):"
+    assert re.fullmatch(r"  Cell In\[\d+\], line \d+, in lonely", lines[1]), lines
+    assert lines[2] == "    dist.all_reduce(torch.ones(1))  # rank 1 never joins"
+    assert lines[3].startswith("rank 0 is waiting in a collective (all_reduce, called from lonely")
+    assert lines[-1] == (
+        "gas_lab: no result from rank 0 after 2 s (rank 1 finished); the ranks were restarted, "
+        "variables on the ranks are lost. Full report: print(cluster.last_error)."
+    )

@@ -7,6 +7,7 @@ bad arguments get one line naming the argument; huge output is capped with a not
 
 import json
 import os
+import re
 import sys
 
 import psutil
@@ -124,6 +125,26 @@ def test_start_up_work_gets_the_time_it_needs(cluster, tmp_path, capsys):
     assert "start-up work, so the call waits for it" in err
 
 
+def _import_slow_then_work(folder, seconds):
+    import importlib
+    import sys
+    import time
+
+    sys.path.insert(0, folder)
+    value = importlib.import_module("gas_lab_slow_module_2").VALUE  # not imported on the ranks yet
+    time.sleep(seconds)  # the work itself, past the moment the start-up work ended
+    return value
+
+
+def test_the_work_after_start_up_work_gets_the_calls_timeout(cluster, tmp_path, capsys):
+    """Start-up work (4 s) outlasts the timeout (3 s); the work after it (2 s) must not be
+    stopped by the first look that finds the start-up over (DeepSpeed's first start: the op
+    built, the ranks in their first forward)."""
+    (tmp_path / "gas_lab_slow_module_2.py").write_text(_SLOW_MODULE.format(seconds=4))
+    assert cluster.run(_import_slow_then_work, str(tmp_path), 2.0, timeout=3) == [42, 42]
+    assert "start-up work, so the call waits for it" in capsys.readouterr().err
+
+
 _COLD_START = """
 import json, os, sys, time
 os.environ["TORCH_EXTENSIONS_DIR"] = sys.argv[1]  # an empty cache: DeepSpeed builds its op
@@ -133,7 +154,7 @@ c = gas_lab.start_cluster(world_size=2, device="cpu")
 t = time.time()
 out = c.run(hello.train_tiny_deepspeed, 1, timeout=3)
 same = bool((out[0]["params"] == out[1]["params"]).all())
-print(json.dumps({"seconds": time.time() - t, "same": same}))
+print(json.dumps({"seconds": time.time() - t, "same": same, "built": c.built}))
 gas_lab.stop_cluster()
 """
 
@@ -149,8 +170,12 @@ def test_a_first_deepspeed_start_is_start_up_work_not_a_stall(tmp_path):
     assert proc.returncode == 0, proc.stderr[:3000] + "\n...\n" + proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["same"] and result["seconds"] > 3
+    assert list(result["built"]) == ["deepspeed_shm_comm"]  # said once, by the runtime
+    assert "gas_lab: the ranks built DeepSpeed's C++ op deepspeed_shm_comm (" in proc.stderr
+    assert "built successfully" not in proc.stdout + proc.stderr
     assert "start-up work, so the call waits for it" in proc.stderr
-    assert "stalled" not in proc.stderr and os.listdir(tmp_path)  # built there, cold
+    # a word, not a substring: DeepSpeed's and the compiler's lines may say "installed"
+    assert not re.search(r"\bstalled\b", proc.stderr) and os.listdir(tmp_path)  # built, cold
     print(f"cold DeepSpeed start with timeout=3: {result['seconds']:.1f} s")
 
 

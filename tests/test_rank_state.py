@@ -1,6 +1,6 @@
 """Telling a stalled rank from a busy one (issue 14, part 4), from the stack a rank reports."""
 
-from gas_lab.runtime.rank_state import classify, main_thread_frames
+from gas_lab.runtime.rank_state import classify, dump_frames
 
 SITE = "/venv/lib/python3.11/site-packages"
 USER = ("<dynamic-code>", 6, "train")
@@ -43,11 +43,103 @@ def test_anything_else_is_computing():
     assert state.kind == "computing" and state.text == "computing in spin line 9 (99% CPU)"
 
 
-def test_the_main_thread_is_read_from_a_faulthandler_dump():
+def test_the_stack_is_read_from_a_faulthandler_dump():
     dump = (
-        "Thread 0x00007f0000000002 (most recent call first):\n"
+        "Stack (most recent call first):\n"
         '  File "/x/threading.py", line 1 in wait\n\n'
-        "Current thread 0x00007f0000000001 (most recent call first):\n"
+        "Stack (most recent call first):\n"  # the latest sample is the one asked for
         '  File "<dynamic-code>", line 9 in spin\n'
     )
-    assert main_thread_frames(dump, 0x7F0000000001) == [("<dynamic-code>", 9, "spin")]
+    assert dump_frames(dump) == [("<dynamic-code>", 9, "spin")]
+
+
+def test_a_dump_that_pauses_part_way_is_read_to_its_end(tmp_path):
+    """On a loaded machine the rank's signal handler can pause between two lines of the dump."""
+    import threading
+    import time
+
+    from gas_lab.runtime.rank_state import _read_stack
+
+    path = tmp_path / "stack.txt"
+    path.write_text("")
+
+    def write():
+        with open(path, "a") as f:
+            f.write("Stack (most recent call first):\n")
+            f.flush()
+            time.sleep(0.3)  # paused part-way
+            f.write('  File "<dynamic-code>", line 9 in spin\n')
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    frames = _read_stack(str(path), 0, wait=2.0)
+    writer.join()
+    assert frames == [("<dynamic-code>", 9, "spin")]
+
+
+def test_a_sample_dumps_only_the_main_thread_and_survives_threads_that_come_and_go(tmp_path):
+    """A dump of every thread reads the others' frames while they run: with threads starting
+    and ending (as in DeepSpeed's start-up) it crashed the process about 1 signal in 440."""
+    import subprocess
+    import sys
+
+    from gas_lab.runtime.rank_state import sample
+
+    child = subprocess.Popen(
+        [sys.executable, "-c", _CHURN, str(tmp_path / "stack.txt")],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        child.stdout.readline()
+        for _ in range(10):
+            state = sample(child.pid, str(tmp_path / "stack.txt"), wait=1.0)
+            assert child.poll() is None, f"the process died: {child.returncode}"
+            assert state.frames[0][2] == "main_loop", state  # the main thread's stack
+        assert "Thread 0x" not in (tmp_path / "stack.txt").read_text()  # and no other thread
+    finally:
+        child.kill()
+        child.wait()
+
+
+_CHURN = """
+import sys, tempfile, threading, time
+from gas_lab.runtime.on_rank import _watch_stack_and_crash
+_watch_stack_and_crash(sys.argv[1], tempfile.mkdtemp(), 0)
+
+def churn():
+    while True:
+        threads = [threading.Thread(target=sum, args=(range(100),)) for _ in range(4)]
+        [t.start() for t in threads]
+        [t.join() for t in threads]
+
+threading.Thread(target=churn, daemon=True).start()
+
+def main_loop():
+    print("ready", flush=True)
+    while True:
+        time.sleep(0.001)
+
+main_loop()
+"""
+
+
+def test_a_compiler_that_exits_while_listed_is_skipped_not_a_failed_sample():
+    """A build's compilers come and go; one gone between listing and naming is not an error."""
+    import psutil
+
+    from gas_lab.runtime.rank_state import _children_names
+
+    class Gone:
+        def name(self):
+            raise psutil.NoSuchProcess(12345)
+
+    class Ninja:
+        def name(self):
+            return "ninja"
+
+    class Rank:
+        def children(self, recursive):
+            return [Gone(), Ninja()]
+
+    assert _children_names(Rank()) == ["ninja"]

@@ -209,6 +209,7 @@ def test_rule_fires_on_the_engine_with_its_message_at_its_moment(rule, single_pr
     for key in rule.keys:
         assert key in got["message"]
     assert rule.reason in got["message"] and rule.prevents in got["message"]
+    assert rule.deepspeed_message in got["message"]  # DeepSpeed's own words, quoted
     assert f"raises {case['exception']} at {case['moment']}" in got["message"]
 
 

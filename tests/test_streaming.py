@@ -49,7 +49,10 @@ def test_output_is_capped_per_rank_with_a_note(capsys):
 
 def test_known_noise_is_hidden(capsys):
     r0 = FakeResult()
-    r0.stdout = "/usr/bin/ld: cannot find -laio: No such file or directory\nreal output\n"
+    r0.stdout = (
+        "/usr/bin/ld: cannot find -laio: No such file or directory\nreal output\n"
+        "DeepSpeed deepspeed.ops.comm.deepspeed_shm_comm_op built successfully\n"
+    )
     RankOutput([0], _NOISE).close([r0])
     assert capsys.readouterr().out == "[rank 0] real output\n"
     # DeepSpeed's BF16_Optimizer reports memory at every start (lesson 08 starts a dozen)

@@ -14,8 +14,15 @@ import time
 from pathlib import Path
 
 import nbformat
+import zmq
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
+from traitlets.config import Config
+
+# The kernel's channels encrypted (CurveZMQ, where the kernel supports it), as they should be:
+# the kernel then also has no "running over TCP without encryption" warning to print once per
+# notebook into the table.
+KERNELS = Config(KernelManager={"transport_encryption": "auto" if zmq.has("curve") else "disabled"})
 
 
 def run_notebook(path: Path, out_dir: Path, timeout: int) -> tuple[float, str]:
@@ -26,6 +33,7 @@ def run_notebook(path: Path, out_dir: Path, timeout: int) -> tuple[float, str]:
         timeout=timeout,
         kernel_name="python3",
         resources={"metadata": {"path": str(path.parent)}},
+        config=KERNELS,
     )
     t0 = time.perf_counter()
     status = "ok"

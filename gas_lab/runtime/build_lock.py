@@ -1,7 +1,14 @@
-"""Stale build locks: the one DeepSpeed start-up hang a learner cannot see the cause of.
+"""DeepSpeed's C++ ops: the environment's own build cache, which ops a call built, and stale
+build locks, the one DeepSpeed start-up hang a learner cannot see the cause of.
 
-DeepSpeed builds its C++ ops on first use with PyTorch's JIT extension loader, which guards each
-op's build folder with a lock file, ``~/.cache/torch_extensions/<python>_<device>/<op>/lock``:
+DeepSpeed builds its C++ ops on first use with PyTorch's JIT extension loader, in
+``TORCH_EXTENSIONS_DIR`` (else ``~/.cache/torch_extensions/<python>_<device>/``, shared by every
+environment of the user: each rebuilds over the others, since an op's build file records the
+environment's paths). Importing gas_lab points it at the environment's own folder,
+``<sys.prefix>/torch_extensions`` (:func:`use_environment_cache`), as ``make`` does for
+everything it runs.
+
+PyTorch guards each op's build folder with a lock file, ``<cache>/<op>/lock``:
 the process that builds creates it, keeps it open while ninja and the compiler run in that
 folder, and removes it when done; every other process waits while it exists. A build killed
 part-way (a stalled rank the runtime ended, an interrupt, a kernel restart during the first run)
@@ -16,9 +23,17 @@ from __future__ import annotations
 
 import glob
 import os
+import sys
 import time
 
 import psutil
+
+
+def use_environment_cache() -> None:
+    """Unless ``TORCH_EXTENSIONS_DIR`` is set, build DeepSpeed's ops in this environment's own
+    folder (where the environment can be written: a venv or a conda env, not a system Python)."""
+    if not os.environ.get("TORCH_EXTENSIONS_DIR") and os.access(sys.prefix, os.W_OK):
+        os.environ["TORCH_EXTENSIONS_DIR"] = os.path.join(sys.prefix, "torch_extensions")
 
 
 def extensions_root() -> str:
@@ -28,6 +43,39 @@ def extensions_root() -> str:
         return root
     cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(cache, "torch_extensions")
+
+
+def built_ops(root: str | None = None) -> dict[str, int]:
+    """Each op library in the cache, with the time it was last written (ns)."""
+    root = root or extensions_root()
+    found = glob.glob(os.path.join(root, "*", "*.so")) + glob.glob(f"{root}/*/*/*.so")
+    stamps = {}
+    for path in found:
+        try:
+            stamps[path] = os.stat(path).st_mtime_ns
+        except OSError:
+            continue
+    return stamps
+
+
+def builds_since(before: dict[str, int]) -> dict[str, float]:
+    """The ops built since ``before`` (:func:`built_ops`), with ninja's seconds for each build."""
+    built = {}
+    for path, stamp in built_ops().items():
+        if before.get(path) != stamp:
+            built[os.path.basename(path).removesuffix(".so")] = _ninja_seconds(path)
+    return built
+
+
+def _ninja_seconds(library: str) -> float:
+    """How long ninja's last build of ``library`` took (its log: start and end ms per target)."""
+    try:  # lines: start, end, mtime, target, hash
+        with open(os.path.join(os.path.dirname(library), ".ninja_log")) as f:
+            rows = [ln.split("\t") for ln in f if not ln.startswith("#")]
+        ends = [int(row[1]) for row in rows if row[3] == os.path.basename(library)]
+        return ends[-1] / 1000  # the link is last: it ends when the build does
+    except (OSError, IndexError, ValueError):
+        return float("nan")
 
 
 def locks(root: str | None = None) -> list[str]:

@@ -7,7 +7,8 @@ that blame the right thing.
 * At the timeout the unfinished ranks are sampled (:mod:`~gas_lab.runtime.rank_state`): ranks
   waiting in a collective stalled, and the ranks are restarted; a rank still *starting up*
   (importing, building a C++ op, inside ``deepspeed.initialize``) gets up to
-  :data:`STARTUP_LIMIT` seconds; a rank still computing is stopped with a KeyboardInterrupt.
+  :data:`STARTUP_LIMIT` seconds, and the work after it gets the call's timeout again; a rank
+  still computing is stopped with a KeyboardInterrupt.
 * Kernel -> Interrupt stops the work on the ranks the same way; a rank that cannot be stopped
   (blocked in a collective) gets the ranks restarted. The error says which happened.
 """
@@ -34,6 +35,9 @@ RESAMPLE = 1.0
 # less often, so that the stack samples (a signal to each rank) and the stale-lock checks stay
 # rare while a build and the ranks waiting for its lock are in flight.
 RESAMPLE_BUILD = 10.0
+# A rank's result and its output travel on different channels, so the result can arrive while
+# the last of its output is still on the way: wait up to this long for the rest.
+OUTPUT_GRACE = 10.0
 
 
 def _failed(f) -> bool:
@@ -50,6 +54,7 @@ class Call:
         self.died: dict[int, str] = {}
         self.states: dict = {}
         self.out = RankOutput(self.ranks, cluster.noise)
+        self.ops = build_lock.built_ops()  # to tell which C++ ops this call built
 
     def unfinished(self) -> list[int]:
         return [r for r, f in zip(self.ranks, self.futures, strict=True) if not f.ready()]
@@ -57,19 +62,46 @@ class Call:
     def result(self) -> list:
         __tracebackhide__ = True
         try:
-            self._wait()
-        except KeyboardInterrupt:
-            self.out.close(self.futures)
-            if not self.restart:  # at start-up: the caller ends the half-started ranks
-                raise
-            raise self._interrupted() from None
+            try:
+                self._wait()
+            except KeyboardInterrupt:
+                self._close_output()
+                if not self.restart:  # at start-up: the caller ends the half-started ranks
+                    raise
+                raise self._interrupted() from None
+            self._close_output()
+            self._note_builds()
+            return self._outcome()
+        except (RankError, RankStallError, RankInterrupt) as exc:
+            self.cluster.last_error = exc  # the full report, after the notebook shows the gist
+            raise
+
+    def _close_output(self) -> None:
+        """Show the rest of the output of every rank that answered (ipyparallel's
+        ``wait_for_output``), then end the live lines and add the cap's notes."""
+        deadline = time.monotonic() + OUTPUT_GRACE
+        for f in self.futures:
+            if f.ready():
+                f.wait_for_output(max(0.0, deadline - time.monotonic()))
         self.out.close(self.futures)
-        return self._outcome()
+
+    def _note_builds(self) -> None:
+        """Say which C++ ops the ranks built during this call, and keep it in ``cluster.built``.
+        (DeepSpeed prints "built successfully" whenever it loads an op, built or not: the
+        runtime hides that line.)"""
+        for op, seconds in build_lock.builds_since(self.ops).items():
+            self.cluster.built[op] = seconds
+            print(
+                f"gas_lab: the ranks built DeepSpeed's C++ op {op} ({seconds:.0f} s), once for "
+                f"this environment: it is kept in {build_lock.extensions_root()}",
+                file=sys.stderr,
+            )
 
     # -- waiting ------------------------------------------------------------------------------
     def _wait(self) -> None:
         start = time.monotonic()
         deadline, first_bad, next_look, noted = start + self.timeout, None, 0.0, set()
+        work_timed = False  # the work after start-up got the call's own timeout
         # A rank that died never answers (nothing relays its death to ipyparallel): once every
         # other rank has answered, there is nothing left to wait for.
         while any(r not in self.died for r in self.unfinished()):
@@ -85,8 +117,15 @@ class Call:
             if now > deadline:
                 self.states = self.cluster.sample(self.unfinished())
                 starting = {r: s for r, s in self.states.items() if s.starting_up}
-                if not starting or now - start > STARTUP_LIMIT:
+                if now - start > STARTUP_LIMIT:
                     return
+                if not starting:
+                    if not noted or work_timed or self._any_in_collective():
+                        return
+                    # Start-up work ended since the last look, and the ranks now compute: the
+                    # timeout is for the work itself, which may have begun a moment ago.
+                    work_timed, deadline = True, now + self.timeout
+                    continue
                 for r, s in starting.items():
                     if (r, s.kind) not in noted:
                         noted.add((r, s.kind))
@@ -102,10 +141,13 @@ class Call:
                 deadline = now + (RESAMPLE_BUILD if building else RESAMPLE)
             time.sleep(0.05)
 
+    def _any_in_collective(self) -> bool:
+        return any(s.kind == "collective" for s in self.states.values())
+
     def _stop_work(self, ranks: list[int]) -> str | None:
         """Interrupt ``ranks`` and wait for their work to stop. None if it stopped with the
         process group still in step; otherwise why the ranks had to be restarted."""
-        states = self.states or self.cluster.sample(ranks)
+        self.states = states = self.states or self.cluster.sample(ranks)
         stuck = {r: s for r, s in states.items() if r in ranks and s.kind == "collective"}
         if not stuck:
             for r in ranks:
@@ -117,7 +159,7 @@ class Call:
                     time.sleep(0.05)
             except KeyboardInterrupt:
                 pass  # interrupted again: no more waiting, restart
-            self.out.close(self.futures)
+            self._close_output()
             left = self.unfinished()
             if not left:
                 counts = self.cluster.collective_counts()
@@ -128,6 +170,7 @@ class Call:
                     "their process group was out of step"
                 )
             stuck = self.cluster.sample(left)
+            self.states.update(stuck)
         return "; ".join(
             f"rank {r} was {s.text} and cannot be stopped there" for r, s in stuck.items()
         )
@@ -151,7 +194,12 @@ class Call:
                 f"Interrupted: {why}, so the ranks were restarted ({seconds:.1f} s); variables on "
                 "the ranks are lost."
             )
-        return RankInterrupt(msg, restarted=why is not None, seconds=seconds)
+        return RankInterrupt(msg, why is not None, seconds, self._stopped(ranks), self.states)
+
+    def _stopped(self, ranks: list[int]) -> dict[int, str]:
+        """Where each of ``ranks`` was stopped: the traceback of its KeyboardInterrupt."""
+        ranked = zip(self.ranks, self.futures, strict=True)
+        return {r: error_text(f) for r, f in ranked if r in ranks and _failed(f)}
 
     # -- the outcome --------------------------------------------------------------------------
     def _outcome(self) -> list:
@@ -165,6 +213,7 @@ class Call:
             kind = "error" if f.exception() is not None else f.get()[0]
             (unsendable if kind == "unsendable" else errors)[r] = error_text(f)
         stalled = [r for r, f in ranked if not f.ready() and r not in self.died]
+        fresh, self.cluster.fresh = self.cluster.fresh, False  # said once, by this call
         if self.died or errors or unsendable:
             restarted = bool(self.died or stalled) and self.restart
             crash = {r: self.cluster.crash_report(r) for r in self.died}
@@ -178,7 +227,8 @@ class Call:
                 unsendable=unsendable,
                 crash={r: t for r, t in crash.items() if t},
                 what=self.what,
-                fresh=self.cluster.fresh,
+                fresh=fresh,
+                ranks=self.ranks,
             )
         if stalled:
             states = self.states or self.cluster.sample(stalled)
@@ -186,8 +236,8 @@ class Call:
             if not self.restart:  # at start-up: the caller stops the ranks
                 raise RankStallError(stalled, finished, self.timeout, states, restarted=None)
             why = self._stop_work(stalled)
+            stopped = self._stopped(stalled) if why is None else {}
             if why is not None:
                 self.cluster.restart()
-            raise RankStallError(stalled, finished, self.timeout, states, why is not None)
-        self.cluster.fresh = False
+            raise RankStallError(stalled, finished, self.timeout, states, why is not None, stopped)
         return [pickle.loads(f.get()[1]) for f in self.futures]

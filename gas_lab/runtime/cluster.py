@@ -39,21 +39,22 @@ from gas_lab.runtime import build_lock, lifetime
 from gas_lab.runtime.arguments import check_seconds, check_world_size
 from gas_lab.runtime.calls import Call
 from gas_lab.runtime.magic import register_magic
-from gas_lab.runtime.on_rank import call_on_rank, exec_on_rank, setup_rank
+from gas_lab.runtime.on_rank import call_on_rank, exec_on_rank, remember_source, setup_rank
 from gas_lab.runtime.rank_errors import RankError, RankInterrupt, RankStallError  # noqa: F401
 from gas_lab.runtime.sending import ship_module_by_value, source_of
 from gas_lab.runtime.watch import RankWatch
 
 DEFAULT_TIMEOUT = 60.0  # seconds a call may run before its unfinished ranks count as stalled
 # Harmless lines DeepSpeed prints on a CPU-only machine while probing optional features
-# (async I/O needs libaio; a deprecation inside DeepSpeed), and its warning for the SGD the
-# lessons allow on purpose (zero_allow_untested_optimizer), and the memory report its
-# BF16_Optimizer prints at every start. Hidden so real output stands out.
+# (async I/O needs libaio), its warning for the SGD the lessons allow on purpose
+# (zero_allow_untested_optimizer), the memory report its BF16_Optimizer prints at every start,
+# and "built successfully" at every load of an op, built or not (the runtime says when a build
+# ran: calls.Call._note_builds). Hidden so real output stands out. (The ranks' FutureWarnings
+# for collectives DeepSpeed calls by their old names are filtered on the ranks: on_rank.py.)
 _NOISE = re.compile(
-    r"cannot find -laio|collect2: error: ld returned|all_gather_into_tensor` is deprecated"
-    r"|^\s+return func\(\*args, \*\*kwargs\)$|\[WARNING\].*untested optimizer"
+    r"cannot find -laio|collect2: error: ld returned|\[WARNING\].*untested optimizer"
     r"|^(begin bf16_optimizer|end bf16_ optimizer|(before|after) initializing group \d+)$"
-    r"|^MA [\d.]+ GB +Max_MA|^CPU Virtual Memory: +used ="
+    r"|^MA [\d.]+ GB +Max_MA|^CPU Virtual Memory: +used =|^DeepSpeed \S+ built successfully$"
 )
 
 # ipyparallel's hub admits a new engine only at a heartbeat after the engine first answered one:
@@ -64,6 +65,9 @@ _HEARTBEAT_MS = 100
 _CONTROLLER_ARGS = [
     f"--HeartMonitor.period={_HEARTBEAT_MS}",
     f"--HeartMonitor.max_heartmonitor_misses={30_000 // _HEARTBEAT_MS}",
+    # ipyparallel's schedulers (hub, queues, broadcast tree: 8 processes by default) as threads
+    # of the controller: 2 ranks talk to one notebook, nothing to spread over cores.
+    "--IPController.use_threads=True",
 ]
 _ENGINE_ARGS = [
     f"--IPEngine.max_heartbeat_misses={30_000 // (_HEARTBEAT_MS + 500)}",
@@ -107,10 +111,12 @@ class Cluster(RankWatch):
         self._ipp = self._client = self._guardian = None
         self._tmp = self.cluster_id = None
         self.pids: list[int] = []
-        self._main_threads: list[int] = []
+        self._set_up = False  # the ranks ran setup_rank: they can be sampled
         self.startup_seconds = 0.0
         self.stopped_by_user = False
         self.fresh = False  # started anew by a call: its error says earlier variables are gone
+        self.last_error = None  # the last failed call's error; str() is its full report
+        self.built: dict[str, float] = {}  # C++ ops the ranks built (seconds): once per environment
 
     # -- life cycle -------------------------------------------------------------------------
     def start(self) -> Cluster:
@@ -131,6 +137,8 @@ class Cluster(RankWatch):
         self._tmp = tempfile.mkdtemp(prefix=lifetime.TMP_PREFIX)
         with open(os.path.join(self._tmp, "cluster_id"), "w") as f:
             f.write(self.cluster_id)
+        with open(os.path.join(self._tmp, "notebook"), "w") as f:  # Jupyter names it
+            f.write(os.path.basename(os.environ.get("JPY_SESSION_NAME", "")))
         self._guardian = lifetime.start_guardian(self.cluster_id, self._tmp)
         marker = {lifetime.MARKER: self.cluster_id}
         env = {
@@ -179,7 +187,7 @@ class Cluster(RankWatch):
         self.pids = [e.pid for e in self._engine_launchers()]  # known before any rank answers
         infos = Call(self, futures, timeout=120, what="start-up", restart=False).result()
         self.pids = [i["pid"] for i in infos]
-        self._main_threads = [i["main_thread"] for i in infos]
+        self._set_up = True
         self.startup_seconds = time.perf_counter() - t0
         return self
 
@@ -203,7 +211,7 @@ class Cluster(RankWatch):
         lifetime.end_cluster(self.cluster_id, self._tmp, self.pids)
         lifetime.stop_guardian(self._guardian)
         self._ipp = self._client = self._guardian = None
-        self.pids = []
+        self.pids, self._set_up = [], False
         if build_lock.locks():  # a C++ build killed part-way leaves its lock behind
             build_lock.clear_stale_locks(say=lambda m: print(m, file=sys.stderr))
 
@@ -238,12 +246,15 @@ class Cluster(RankWatch):
         what = getattr(fn, "__qualname__", None) or repr(fn)
         return Call(self, self._submit(fn, *args, **kwargs), timeout, what).result()
 
-    def execute(self, code: str, timeout: float = DEFAULT_TIMEOUT) -> None:
-        """Run source code on every rank, in each rank's persistent namespace (``%%ranks``)."""
+    def execute(self, code: str, timeout: float = DEFAULT_TIMEOUT, cell: str | None = None) -> None:
+        """Run source code on every rank, in each rank's persistent namespace (``%%ranks``).
+        ``cell`` names it in tracebacks (``In[7]``, what ``%%ranks`` passes)."""
         __tracebackhide__ = True
         timeout = check_seconds(timeout)
         self._ensure_running()
-        Call(self, self._submit(exec_on_rank, code), timeout, "the %%ranks cell").result()
+        name = f"<%%ranks {cell or abs(hash(code))}>"
+        remember_source(name, code.splitlines(keepends=True))  # for a stalled rank's stack
+        Call(self, self._submit(exec_on_rank, code, name), timeout, "the %%ranks cell").result()
 
     def push(self, **names) -> None:
         """Copy notebook variables into every rank's namespace."""
@@ -270,6 +281,11 @@ class Cluster(RankWatch):
             why = "the ranks had been stopped (cluster.stop() or gas_lab.stop_cluster())"
         elif self._ipp is None:
             why = "the ranks were not running"
+        elif os.path.exists(os.path.join(self._tmp, "stopped_by")):
+            with open(os.path.join(self._tmp, "stopped_by")) as f:
+                why = (
+                    f"the ranks had been stopped from {f.read()} (start_cluster(stop_others=True))"
+                )
         else:
             dead = "; ".join(f"rank {r} {how}" for r, how in self.dead_ranks().items())
             why = f"a rank had ended ({dead})"
@@ -286,7 +302,10 @@ _current: Cluster | None = None
 
 
 def start_cluster(
-    world_size: int | None = None, restart: bool = False, device: str | None = None
+    world_size: int | None = None,
+    restart: bool = False,
+    device: str | None = None,
+    stop_others: bool = False,
 ) -> Cluster:
     """Start the notebook's ranks, or return the ones already running.
 
@@ -295,6 +314,9 @@ def start_cluster(
     machine (the course's tests do, so they check the same thing everywhere). Asking for a
     different world size or device, or ``restart=True``, stops the running ranks first, so
     processes never pile up; ranks an earlier kernel left behind are ended too.
+
+    Ranks another notebook started (its kernel still running) are named when new ranks start;
+    ``stop_others=True`` stops them (that notebook gets fresh ranks at its next rank cell).
     """
     global _current
     world_size = check_world_size(world_size)
@@ -310,6 +332,8 @@ def start_cluster(
             f"world_size={world_size} but this machine has {gpus} GPUs: nccl needs one "
             "GPU per rank. Use world_size <= the GPU count, or device='cpu'."
         )
+    if stop_others:
+        _stop_others()
     if _current is not None and _current.running and not restart:
         if (_current.world_size, _current.backend) == (world_size, backend):
             return _current
@@ -321,10 +345,43 @@ def start_cluster(
         print(f"gas_lab: ended {ended} processes an earlier kernel left running", file=sys.stderr)
     if build_lock.locks():
         build_lock.clear_stale_locks(say=lambda m: print(m, file=sys.stderr))
+    if not stop_others:
+        _name_others()
     _current = Cluster(world_size, backend).start()
     started = _current
     register_magic(lambda: _current or started, DEFAULT_TIMEOUT)
     return _current
+
+
+def _running_text(c: dict) -> str:
+    return f"{c['notebook']} ({c['processes']} processes, {c['mb']:.0f} MB)"
+
+
+def _name_others() -> None:
+    """One line naming the ranks other notebooks left running, and how to stop them: on a
+    laptop they hold memory (and cores, while they work) that these ranks need."""
+    others = lifetime.other_clusters()
+    if others:
+        whose = "another notebook's" if len(others) == 1 else f"{len(others)} other notebooks'"
+        print(
+            f"gas_lab: {whose} ranks are running: {', '.join(map(_running_text, others))}. "
+            "They share this machine's cores and memory; to stop them, start with "
+            "gas_lab.start_cluster(stop_others=True), or shut that notebook's kernel down.",
+            file=sys.stderr,
+        )
+
+
+def _stop_others() -> None:
+    me = os.path.basename(os.environ.get("JPY_SESSION_NAME", "")) or "another notebook"
+    for c in lifetime.other_clusters():
+        with open(os.path.join(c["folder"], "stopped_by"), "w") as f:  # that notebook says so
+            f.write(me)
+        lifetime.end_cluster(c["id"], None)  # its folder stays: its kernel still owns it
+        print(
+            f"gas_lab: stopped the ranks of {_running_text(c)}; that notebook starts fresh "
+            "ranks at its next rank cell.",
+            file=sys.stderr,
+        )
 
 
 def stop_cluster() -> None:

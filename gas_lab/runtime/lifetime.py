@@ -39,7 +39,19 @@ _ID = re.compile(r"^gas_lab-(\d+)-(\d+)-")
 def new_cluster_id(port: int) -> str:
     """An id naming the owning process: ``gas_lab-<pid>-<start time in ms>-<port>``."""
     me = psutil.Process()
-    return f"gas_lab-{me.pid}-{int(me.create_time() * 1000)}-{port}"
+    return f"gas_lab-{me.pid}-{_born_ms(me)}-{port}"
+
+
+def _born_ms(p: psutil.Process) -> int:
+    """When ``p`` started, in ms. On Linux, counted from boot: psutil's wall-clock start time
+    moves when the clock is set (NTP on a freshly booted machine, a laptop waking up), and a
+    moved start time would make a live owner look gone, and its ranks end."""
+    try:
+        with open(f"/proc/{p.pid}/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime
+        return ticks * 1000 // os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return int(p.create_time() * 1000)
 
 
 def owner_alive(cluster_id: str) -> bool:
@@ -50,7 +62,7 @@ def owner_alive(cluster_id: str) -> bool:
     pid, born_ms = int(m[1]), int(m[2])
     try:
         p = psutil.Process(pid)
-        return abs(p.create_time() * 1000 - born_ms) < 1000 and p.status() != psutil.STATUS_ZOMBIE
+        return abs(_born_ms(p) - born_ms) < 1000 and p.status() != psutil.STATUS_ZOMBIE
     except psutil.Error:
         return False
 
@@ -118,14 +130,41 @@ def end_orphans() -> int:
             end_processes(procs)
             ended += len(procs)
     for folder in glob.glob(os.path.join(tempfile.gettempdir(), TMP_PREFIX + "*")):
-        try:
-            with open(os.path.join(folder, "cluster_id")) as f:
-                cid = f.read().strip()
-        except OSError:
-            continue
-        if not owner_alive(cid):
+        cid = _read(folder, "cluster_id")
+        if cid is not None and not owner_alive(cid):
             shutil.rmtree(folder, ignore_errors=True)
     return ended
+
+
+def other_clusters() -> list[dict]:
+    """The clusters other running kernels started on this machine (another notebook's ranks):
+    ``id``, ``folder``, ``notebook`` (its name, when Jupyter told the kernel), ``processes``
+    and ``mb`` (resident memory). Each cluster's folder names its owner (``cluster_id``)."""
+    marked, found, mine = _marked(), [], f"gas_lab-{os.getpid()}-"
+    for folder in glob.glob(os.path.join(tempfile.gettempdir(), TMP_PREFIX + "*")):
+        cid, notebook = (_read(folder, name) for name in ("cluster_id", "notebook"))
+        procs = [p for p in marked.get(cid, []) if _running(p)]
+        if cid is None or cid.startswith(mine) or not procs or not owner_alive(cid):
+            continue
+        rss = 0
+        for p in procs:
+            try:
+                rss += p.memory_info().rss
+            except psutil.Error:
+                pass
+        name = notebook or f"the kernel with pid {_ID.match(cid)[1]}"
+        found.append(
+            dict(id=cid, folder=folder, notebook=name, processes=len(procs), mb=rss / 2**20)
+        )
+    return found
+
+
+def _read(folder: str, name: str) -> str | None:
+    try:
+        with open(os.path.join(folder, name)) as f:
+            return f.read().strip()
+    except OSError:
+        return None
 
 
 def start_guardian(cluster_id: str, tmp: str) -> subprocess.Popen:

@@ -21,6 +21,7 @@ def register_magic(get_cluster, default_timeout: float) -> None:
 
     def ranks(line: str, cell: str) -> None:
         __tracebackhide__ = True
-        get_cluster().execute(cell, timeout=parse_ranks_line(line, default_timeout))
+        timeout = parse_ranks_line(line, default_timeout)
+        get_cluster().execute(cell, timeout=timeout, cell=f"In[{ip.execution_count}]")
 
     ip.register_magic_function(ranks, magic_kind="cell", magic_name="ranks")

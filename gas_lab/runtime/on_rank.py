@@ -10,7 +10,6 @@ def setup_rank(rank: int, store_path: str, pg_timeout_s: float, tmp: str, cluste
     """Runs on each notebook rank once: set the torchrun-style variables, join the group, and
     prepare what the notebook needs to watch the rank (see the helpers below)."""
     import os
-    import threading
 
     import torch.distributed as dist
 
@@ -20,13 +19,13 @@ def setup_rank(rank: int, store_path: str, pg_timeout_s: float, tmp: str, cluste
     _watch_stack_and_crash(os.path.join(tmp, f"stack-{rank}.txt"), tmp, rank)
     _end_with_owner(cluster_id)
     _text_progress_bars()
+    _quiet_renamed_collectives()
     # A file store (not a TCP store) so that nothing listens beyond gloo's loopback pairs.
     init_from_env(f"file://{store_path}", pg_timeout_s)
     return {
         "rank": dist.get_rank(),
         "pid": os.getpid(),
         "backend": dist.get_backend(),
-        "main_thread": threading.main_thread().ident,
     }
 
 
@@ -34,9 +33,11 @@ _kept_open: list = []  # files faulthandler writes to must stay open for the pro
 
 
 def _watch_stack_and_crash(stack_path: str, tmp: str, rank: int) -> None:
-    """SIGUSR2 appends every thread's stack to ``stack_path`` (even while blocked in C++, so the
-    notebook can tell a rank waiting in a collective from a busy one), and a crash (SIGSEGV, ...)
-    writes where it happened to ``crash-<rank>.txt``, which the notebook shows."""
+    """SIGUSR2 appends the interrupted thread's stack to ``stack_path`` (even while blocked in
+    C++, so the notebook can tell a rank waiting in a collective from a busy one; the notebook
+    signals the main thread), and a crash (SIGSEGV, ...) writes where it happened to
+    ``crash-<rank>.txt``, which the notebook shows. One thread only: a dump of every thread
+    reads the others' frames as they change, and can crash the rank (rank_state)."""
     import faulthandler
     import os
     import signal
@@ -45,7 +46,7 @@ def _watch_stack_and_crash(stack_path: str, tmp: str, rank: int) -> None:
     crash = open(os.path.join(tmp, f"crash-{rank}.txt"), "w")
     _kept_open.extend([stack, crash])
     if hasattr(signal, "SIGUSR2"):  # POSIX only
-        faulthandler.register(signal.SIGUSR2, file=stack, all_threads=True, chain=False)
+        faulthandler.register(signal.SIGUSR2, file=stack, all_threads=False, chain=False)
     faulthandler.enable(file=crash, all_threads=False)
 
 
@@ -86,6 +87,17 @@ def _text_progress_bars() -> None:
             sys.modules["ipykernel.zmqshell"] = hidden
 
 
+def _quiet_renamed_collectives() -> None:
+    """torch 2.13 renamed two collectives; DeepSpeed 0.19.8 calls them by their old names, and
+    each call would print a FutureWarning above the lesson's output that is no fault of it."""
+    import warnings
+
+    for name in ("all_gather_into_tensor", "reduce_scatter_tensor"):
+        warnings.filterwarnings(
+            "ignore", f"`torch.distributed.{name}` is deprecated", FutureWarning
+        )
+
+
 def sequence_number() -> int:
     """How many collectives this rank has issued on the default process group. Equal on every
     rank when the group is in step; unequal after an interrupt caught the ranks at different
@@ -95,7 +107,7 @@ def sequence_number() -> int:
     return dist.distributed_c10d._get_default_group()._get_sequence_number_for_group()
 
 
-def _remember_source(filename: str, lines: list[str], first_line: int = 1) -> None:
+def remember_source(filename: str, lines: list[str], first_line: int = 1) -> None:
     """Let tracebacks on a rank show the source of code that only exists in the notebook."""
     import linecache
 
@@ -117,7 +129,7 @@ def call_on_rank(fn, args, kwargs, source=None):
 
     code = getattr(fn, "__code__", None)
     if source and code is not None:
-        _remember_source(code.co_filename, *source)
+        remember_source(code.co_filename, *source)
     try:
         result = fn(*args, **kwargs)
     except BaseException as exc:
@@ -141,10 +153,9 @@ def call_on_rank(fn, args, kwargs, source=None):
         )
 
 
-def exec_on_rank(code: str):
+def exec_on_rank(code: str, name: str):
     """Runs on a rank: execute a ``%%ranks`` cell in the rank's persistent namespace."""
     from IPython import get_ipython
 
-    name = f"<%%ranks cell {abs(hash(code))}>"
-    _remember_source(name, code.splitlines(keepends=True))
+    remember_source(name, code.splitlines(keepends=True))
     exec(compile(code, name, "exec"), get_ipython().user_ns)

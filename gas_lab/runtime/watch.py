@@ -13,7 +13,7 @@ from gas_lab.runtime.rank_errors import exit_text
 
 class RankWatch:
     """Mixed into :class:`~gas_lab.runtime.cluster.Cluster`, which provides ``pids``, ``_tmp``,
-    ``_ipp``, ``_main_threads``, ``ranks`` and ``_view``."""
+    ``_ipp``, ``_set_up``, ``ranks`` and ``_view``."""
 
     def _engine_launchers(self) -> list:
         if self._ipp is None:
@@ -58,14 +58,10 @@ class RankWatch:
 
     def sample(self, ranks: list[int]) -> dict:
         """What each of ``ranks`` is doing now (:func:`gas_lab.runtime.rank_state.sample`)."""
-        if len(self._main_threads) != len(self.pids):  # still starting: the signal is not set up
+        if not self._set_up:  # still starting: the signal is not set up
             return {r: rank_state.RankState("unknown", "still starting") for r in ranks}
         return {
-            r: rank_state.sample(
-                self.pids[r],
-                os.path.join(self._tmp, f"stack-{r}.txt"),
-                self._main_threads[r],
-            )
+            r: rank_state.sample(self.pids[r], os.path.join(self._tmp, f"stack-{r}.txt"))
             for r in ranks
         }
 
