@@ -33,20 +33,6 @@ def sum_weight(real, n, total, world):
     return 1.0 / total if real else 0.0
 
 
-def ranks_needed(params, stage, budget):
-    """Appendix A5's exercise: per parameter 2 + 2 + 12 bytes (bf16 weights and gradients, fp32
-    master and Adam moments); what the stage shards is divided by W, the rest is a floor."""
-    sharded_from = {"master": 1, "moments": 1, "gradients": 2, "weights": 3}
-    size = {"master": 4, "moments": 8, "gradients": 2, "weights": 2}
-    whole = sum(size[k] for k in size if stage < sharded_from[k]) * params
-    sharded = 16 * params - whole
-    if whole + sharded <= budget:
-        return 1
-    if budget <= whole:  # no number of ranks shrinks the floor
-        return None
-    return -(-sharded // (budget - whole))  # the smallest W with whole + sharded / W <= budget
-
-
 if __name__ == "__main__":
     import gas_lab
     from gas_lab.lessons.exercises import lesson09
@@ -55,6 +41,5 @@ if __name__ == "__main__":
     try:
         print(lesson09.check_traffic_predictions(traffic_predictions, cluster))
         print(lesson09.check_sum_weight(sum_weight, cluster))
-        print(lesson09.check_ranks_needed(ranks_needed))
     finally:
         cluster.stop()

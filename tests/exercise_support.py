@@ -15,10 +15,11 @@ from gas_lab.lessons.exercises.verdict import ExerciseFailed, reset_tries
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def load_solutions(lesson: int):
-    """solutions/lessonNN.py as a module."""
+def load_solutions(lesson: int | str):
+    """solutions/lessonNN.py (``lesson`` a number) or solutions/<lesson>.py (an appendix's
+    name, e.g. "appendix_a5") as a module."""
     # solutions/ is not a package on purpose (handed out separately): load it by path
-    name = f"lesson{lesson:02d}"
+    name = f"lesson{lesson:02d}" if isinstance(lesson, int) else lesson
     spec = importlib.util.spec_from_file_location(
         f"{name}_solutions", ROOT / "solutions" / f"{name}.py"
     )

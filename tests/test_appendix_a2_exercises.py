@@ -2,22 +2,21 @@
 fail with what differs (the fix held back for a second try); and the checker's reference is
 what DeepSpeed's optimizer receives on 2 real ranks, bit for bit."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
-from exercise_support import assert_failed, assert_hint_on_second_try, assert_todo, first_try, todo
+from exercise_support import (
+    assert_failed,
+    assert_hint_on_second_try,
+    assert_todo,
+    first_try,
+    load_solutions,
+    todo,
+)
 
 from gas_lab.lessons.exercises.appendix_a2 import check_optimizer_gradient, reference
 from gas_lab.lessons.exercises.verdict import reset_tries
 
-ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location(
-    "appendix_a2_solutions", ROOT / "solutions" / "appendix_a2.py"
-)
-SOL = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(SOL)
+SOL = load_solutions("appendix_a2")
 DEFAULT = "accumulate bf16, all-reduce bf16 (the default), N = 16"
 BF16_OPTIMIZER = "accumulate fp32, all-reduce bf16 (BF16_Optimizer's default), N = 16"
 
