@@ -1,4 +1,6 @@
-"""Execute every tutorial notebook headless, save the executed copies, print seconds per notebook.
+"""Execute every notebook headless, lessons then appendices, and print seconds per notebook.
+
+The executed copies are saved in the output folder.
 
     python tools/run_course.py tutorials build        # what `make course` runs
 
@@ -57,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         [args.notebooks]
         if args.notebooks.suffix == ".ipynb"
         else sorted(args.notebooks.glob("[0-9][0-9]_*.ipynb"))
+        + sorted(args.notebooks.glob("A[0-9]_*.ipynb"))  # the appendices, after the lessons
     )
     rows = []
     for path in paths:
@@ -66,6 +69,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{'notebook':<{width}}  seconds  status")
     for name, seconds, status in rows:
         print(f"{name:<{width}}  {seconds:7.1f}  {status}")
+    for label, first in (("lessons", "0123456789"), ("appendices", "A")):
+        part = [s for name, s, _ in rows if name[0] in first]
+        if part and len(part) < len(rows):
+            print(f"{label:<{width}}  {sum(part):7.1f}")
     print(f"{'total':<{width}}  {sum(s for _, s, _ in rows):7.1f}")
     return 0 if all(status == "ok" for *_, status in rows) else 1
 
