@@ -69,3 +69,15 @@ def test_the_stated_minutes_are_the_measured_ones(path):
 def test_the_record_names_no_notebook_that_is_gone():
     names = {p.name for p in NOTEBOOKS}
     assert set(RUN_THROUGH["notebooks"]) <= names
+
+
+def test_the_readme_states_the_same_minutes():
+    """The README's lesson table (a row per notebook, core and appendix) says what each notebook
+    states at its top."""
+    readme = (ROOT / "README.md").read_text()
+    rows = dict(
+        re.findall(r"^\| (?:\d\d|A\d) \| `([^`]+\.ipynb)` \|[^|]*\| (\d+) \|", readme, re.M)
+    )
+    assert set(rows) == {p.name for p in NOTEBOOKS}, "the README's table lists every notebook"
+    for path in NOTEBOOKS:
+        assert int(rows[path.name]) == _stated_minutes(path), f"README row of {path.name}"
