@@ -472,9 +472,9 @@ def test_no_prose_cell_hides_an_assertion_in_parentheses():
     """Issue 20: "(asserted ...)" parentheticals made prose unreadable; the code cell under a
     claim asserts it and prints the number, and the sentence reads as a sentence."""
     found = [
-        (nb.name, index)
-        for nb in sorted((ROOT / "tutorials").glob("*.ipynb"))
-        for index, cell in enumerate(json.loads(nb.read_text())["cells"])
-        if cell["cell_type"] == "markdown" and re.search(r"\(\s*asserted", "".join(cell["source"]))
+        (path.name, index)
+        for path in LESSONS
+        for index, text in Notebook.read(path).markdown
+        if re.search(r"\(\s*asserted", text)
     ]
     assert found == [], f"'(asserted ...)' in prose: {found}"
