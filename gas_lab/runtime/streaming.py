@@ -5,6 +5,12 @@ streams to the notebook process), one line at a time, prefixed with the rank. A 
 keeps rewriting with a carriage return (a ``tqdm`` progress bar) is shown as one live line that
 updates in place, not as hundreds of lines. Output is capped per rank and call, with a note,
 so a runaway ``print`` cannot flood the notebook.
+
+Why not ipyparallel's own ``%%px --stream`` (9.2, measured in a kernel, 2 engines): a
+``tqdm.auto`` bar stays at "0%" on each engine (the engines send a widget the notebook cannot
+show), and each chunk of output re-sends everything the engine printed so far, with no cap:
+300,000 characters per engine reached the browser as 602 messages and 89 MB. The same cells
+here: one live line per rank that ends at 100% (22 messages, 4 KB), and 430 KB with the cap.
 """
 
 from __future__ import annotations
