@@ -20,7 +20,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
-from lesson_size import size  # noqa: E402
+from lesson_size import STATED_MINUTES, size  # noqa: E402
 
 NOTEBOOKS = sorted(
     p
@@ -31,14 +31,13 @@ RUN_THROUGH = json.loads((ROOT / "data" / "run_through.json").read_text())
 MAX_CELLS, MAX_WORDS, TOLERANCE = 45, 2500, 0.20
 # A re-timed notebook may drift this much before it must be timed again.
 DRIFT_CELLS, DRIFT_WORDS = 3, 150
-STATED = re.compile(r"≈\s*(\d+)\s*minutes")
 
 
 def _stated_minutes(path: Path) -> int:
     first = "".join(json.loads(path.read_text())["cells"][0]["source"])
-    found = STATED.search(first)
+    found = STATED_MINUTES.search(first)
     assert found, f"{path.name}: the first cell states no '(≈ N minutes)'"
-    return int(found.group(1))
+    return int(found["total"])
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])

@@ -43,6 +43,9 @@ import pytest
 import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+from lesson_size import STATED_MINUTES  # noqa: E402
+
 # The lessons (00_..09_) and the appendices (A1_..), held to the same rules.
 NOTEBOOK_GLOBS = ("[0-9][0-9]_*.ipynb", "A[0-9]_*.ipynb")
 
@@ -70,7 +73,6 @@ SECTION_REF = re.compile(r"\b[Ss]ections?\s+(?P<n>\d+)(?=(?P<rest>[\s\S]{0,120})
 OTHER_LESSON = re.compile(r"[Ll]esson\s+(0\d)(?:'s|,)?\s*$")  # "lesson 08, section 6"
 SECTION_RANGE = re.compile(r"\b[Ss]ections\s+(?P<a>\d+)\s*[-–]\s*(?P<b>\d+)")
 LABEL = re.compile(r"\b(?:Exercise|Pitfall|Step|Rule|Part|Case)\s+\d+\b|\(\d\)")
-MINUTES = re.compile(r"\(≈\s*(?P<total>\d+)\s*minutes\)|≈\s*(?P<total2>\d+)\s*minutes")
 OBJECTIVE_MINUTES = re.compile(r"\((?P<n>\d+)\s*min\)")
 LATEX_POWER = re.compile(r"(?:(?P<mant>\d+(?:\.\d+)?)\s*\\times\s*)?10\^\{(?P<exp>[-−]?\d+)\}")
 WORD_RATIO = re.compile(
@@ -282,10 +284,10 @@ def check_notebook(nb: Notebook) -> tuple[int, list[Finding]]:
         for m in LABEL.finditer(text):
             spans.append((m.start(), m.end()))
         if index == nb.markdown[0][0]:  # the objectives' time estimate
-            for m in MINUTES.finditer(text):
+            for m in STATED_MINUTES.finditer(text):
                 tokens += 1
                 spans.append((m.start(), m.end()))
-                total = int(m.group("total") or m.group("total2"))
+                total = int(m["total"])
                 if minutes.get(nb.lesson) != total:
                     findings.append(
                         Finding(index, str(total), f"minutes, the agenda says {minutes.get(nb.lesson)}",

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+# The minutes a notebook states in its first cell, "(≈ 25 minutes)".
+STATED_MINUTES = re.compile(r"≈\s*(?P<total>\d+)\s*minutes")
 WORDS_PER_MINUTE, LINES_PER_MINUTE, CHECK_LINES_PER_MINUTE = 200, 15, 40
 
 
