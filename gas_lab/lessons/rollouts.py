@@ -268,15 +268,26 @@ def drift(run: list[dict], against: list[dict]) -> list[float]:
     ]
 
 
-def record_step(library: str, config: dict, step: int, seed: int = 0) -> list:
+def record_step(
+    library: str, config: dict, step: int, seed: int = 0, forward_s: float = 0.0
+) -> list:
     """On every rank: the timeline of one step of a fresh run of ``library`` ("deepspeed" or
     "gas_lab") on ``step``'s rollouts, after one unrecorded step on the same rollouts (so that
-    nothing of the first step's set-up is in it)."""
+    nothing of the first step's set-up is in it).
+
+    ``forward_s`` makes every recorded forward that many seconds longer, as for a model bigger
+    than the tiny one: its own micro-batch takes about a millisecond, within the scheduling
+    noise of a shared 2-core machine, where a rank's wait of a few milliseconds was measured
+    the wrong way round 1 run in 20."""
+    import time
+
     from gas_lab.measure.parity import initializer
     from gas_lab.measure.timeline import record
 
     run = RolloutRun(initializer(library), config, seed)
     run.step(step)
+    if forward_s:
+        run.engine.module.register_forward_pre_hook(lambda *_: time.sleep(forward_s))
     with record(run.engine) as events:
         run.step(step)
     return events
