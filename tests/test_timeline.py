@@ -152,36 +152,17 @@ def _key(e):
     return (e.rank, e.start_ns, e.cat)
 
 
-def _record_with_slow_data(delay_s, **kwargs):
-    """:func:`tl.record_run` where each micro-batch's data takes ``delay_s`` to arrive, as from
-    a loader. The tiny model's micro-batch alone (well under a millisecond) is shorter than the
-    scheduling noise of a shared 2-core machine, which reversed the ranks' order 1 run in 6."""
-    import time
-
-    from gas_lab.measure import timeline
-
-    fast = timeline.micro_batch
-
-    def slow(*args, **kw):
-        time.sleep(delay_s)
-        return fast(*args, **kw)
-
-    timeline.micro_batch = slow
-    try:
-        return timeline.record_run(**kwargs)
-    finally:
-        timeline.micro_batch = fast
-
-
 @pytest.mark.ranks
 def test_the_rank_with_fewer_micro_batches_waits_inside_the_reduction(cluster, recorded):
-    delay = 0.05  # seconds per micro-batch: rank 0 reaches the all_reduce 2 x 50 ms later
-    runs = cluster.run(_record_with_slow_data, delay, library="gas_lab", stage=0,
-                       mode="unmanaged", micro_batches=RAGGED, steps=1)  # fmt: skip
+    # Each forward 50 ms longer (the tiny model's own is shorter than a shared CPU's noise):
+    # rank 0 reaches the all_reduce after 2 more forwards than rank 1.
+    delay = 0.05
+    runs = cluster.run(tl.record_run, library="gas_lab", stage=0, mode="unmanaged",
+                       micro_batches=RAGGED, steps=1, forward_s=delay)  # fmt: skip
     first = {r: tl.collectives(runs[r], r)[0] for r in range(W)}
     assert first[0].name == first[1].name == "all_reduce" and first[0].parent == "step"
     # Measured: rank 1 (1 micro-batch) calls the all_reduce before rank 0 (3) does, and waits
-    # inside it for rank 0's two more micro-batches; rank 0 finds rank 1 there.
+    # inside it for rank 0's two more forwards; rank 0 finds rank 1 there.
     waits = {r: (first[r].end_ns - first[r].start_ns) / 1e9 for r in range(W)}
     assert first[1].start_ns < first[0].start_ns
     assert waits[1] > delay > waits[0], waits

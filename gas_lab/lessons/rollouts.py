@@ -273,22 +273,14 @@ def record_step(
 ) -> list:
     """On every rank: the timeline of one step of a fresh run of ``library`` ("deepspeed" or
     "gas_lab") on ``step``'s rollouts, after one unrecorded step on the same rollouts (so that
-    nothing of the first step's set-up is in it).
-
-    ``forward_s`` makes every recorded forward that many seconds longer, as for a model bigger
-    than the tiny one: its own micro-batch takes about a millisecond, within the scheduling
-    noise of a shared 2-core machine, where a rank's wait of a few milliseconds was measured
-    the wrong way round 1 run in 20."""
-    import time
-
+    nothing of the first step's set-up is in it). ``forward_s`` makes each recorded forward
+    longer (:func:`gas_lab.measure.timeline.record`)."""
     from gas_lab.measure.parity import initializer
     from gas_lab.measure.timeline import record
 
     run = RolloutRun(initializer(library), config, seed)
     run.step(step)
-    if forward_s:
-        run.engine.module.register_forward_pre_hook(lambda *_: time.sleep(forward_s))
-    with record(run.engine) as events:
+    with record(run.engine, forward_s=forward_s) as events:
         run.step(step)
     return events
 

@@ -82,12 +82,17 @@ def origin_ns() -> int:
 
 
 @contextlib.contextmanager
-def record(engine, origin: int | None = None):
+def record(engine, origin: int | None = None, forward_s: float = 0.0):
     """Record ``engine``'s calls and the collectives inside the block (on every rank).
 
     Yields a list that is filled, in start order, when the block ends. Call and micro-batch
     indices are counted here: ``step`` = boundaries so far, ``micro`` = backward() calls since
     the last boundary.
+
+    ``forward_s`` makes every forward inside the block that many seconds longer, as for a model
+    bigger than the tiny ones here: theirs take about a millisecond, within the scheduling noise
+    of a shared 2-core machine, where a rank's wait of a few milliseconds was measured the wrong
+    way round in repeated runs.
     """
     managed = engine.managed_gradient_accumulation()
     calls = [(engine, name, name) for name in ENGINE_CALLS]  # engine(x) and .step() find them
@@ -99,8 +104,12 @@ def record(engine, origin: int | None = None):
     def boundary(name):  # a step() that updated: global_steps advanced
         return name == "step" and engine.global_steps != steps["before"]
 
-    with _recording(calls, before, boundary, managed, origin) as events:
-        yield events
+    with contextlib.ExitStack() as block:
+        if forward_s:  # a hook only when asked: it stays out of every other recording
+            hook = engine.module.register_forward_pre_hook(lambda *_: time.sleep(forward_s))
+            block.callback(hook.remove)
+        with _recording(calls, before, boundary, managed, origin) as events:
+            yield events
 
 
 @contextlib.contextmanager
@@ -282,6 +291,7 @@ def record_run(
     steps: int = 1,
     gradient_clipping: float = 1.0,
     seed: int = 0,
+    forward_s: float = 0.0,
 ) -> list[Event]:
     """Train ``steps`` optimizer steps and return this rank's events (call on every rank).
 
@@ -290,7 +300,8 @@ def record_run(
     the rank's micro-batches, each loss divided by the rank's own count with
     ``scale_wrt_gas=False`` (with different counts per rank lesson 04's global count is the
     right divisor; its extra all-reduce is left out so the trace holds the engine's
-    collectives only). Initialize's broadcasts are not recorded.
+    collectives only). Initialize's broadcasts are not recorded. ``forward_s``: see
+    :func:`record`.
     """
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -302,7 +313,7 @@ def record_run(
         model_parameters=model.parameters(),
         config=config(stage, mode, counts[0], gradient_clipping),
     )[0]
-    with record(engine) as events, quiet_deepspeed():
+    with record(engine, forward_s=forward_s) as events, quiet_deepspeed():
         for step in range(steps):
             for micro in range(n):
                 x, y = micro_batch(seed, step, micro, rank, MICRO_BATCH_SIZE)
