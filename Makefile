@@ -38,18 +38,24 @@ lab: $(STAMP)  ## the course: JupyterLab on tutorials/
 	$(BIN)/jupyter lab --ip 127.0.0.1 --notebook-dir tutorials \
 	  --LabApp.app_settings_dir=$(CURDIR)/lab --config=$(CURDIR)/lab/jupyter_lab_config.py $(ROOT_FLAG)
 
+# Test workers (pytest-xdist): the suite is mostly process start-up and waiting on other processes,
+# and one worker kept 2 cores 65% busy. Each worker takes whole files (module fixtures start
+# once) in the order tests/conftest.py sets: notebooks, then files that start ranks, then the rest.
+TEST_WORKERS ?= 2
+XDIST := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+
 test: lint $(STAMP)  ## every test: unit + 2-rank, every notebook (nbmake), ruff, the docs site
 	rm -rf $(EXECUTED) && mkdir -p $(EXECUTED) && cp -r tutorials/. $(EXECUTED)/
-	$(PYTEST) -m "not docs" tests $(EXECUTED) --nbmake --nbmake-timeout=600 --overwrite --durations=12
+	$(PYTEST) $(XDIST) -m "not docs" tests $(EXECUTED) --nbmake --nbmake-timeout=600 --overwrite --durations=12
 	$(MAKE) --no-print-directory docs
-	$(PYTEST) -m docs tests/test_docs_site.py
+	$(PYTEST) -n $(TEST_WORKERS) -m docs tests/test_docs_site.py
 
 unit: $(STAMP)
 	$(PYTEST) -m "not docs" tests
 
 notebooks: $(STAMP)  ## execute every notebook under nbmake, keeping the executed copies
 	rm -rf $(EXECUTED) && mkdir -p $(EXECUTED) && cp -r tutorials/. $(EXECUTED)/
-	$(PYTEST) $(EXECUTED) --nbmake --nbmake-timeout=600 --overwrite
+	$(PYTEST) $(XDIST) $(EXECUTED) --nbmake --nbmake-timeout=600 --overwrite
 
 normalize: $(STAMP)  ## rewrite every notebook in the form JupyterLab saves (else it opens modified)
 	$(BIN)/python tools/normalize_notebooks.py $(shell find tutorials -name '*.ipynb' -not -path '*/.ipynb_checkpoints/*')
@@ -67,7 +73,7 @@ bench: $(STAMP)  ## time gas_lab vs DeepSpeed vs torch DDP per optimizer step (2
 docs: $(STAMP)  ## the docs site in build/html, from the executed notebooks, warnings are errors
 	test -f $(EXECUTED)/00_setup.ipynb || $(MAKE) --no-print-directory notebooks
 	rm -rf build/html docs/lessons && mkdir -p docs/lessons && cp $(EXECUTED)/[0-9][0-9]_*.ipynb $(EXECUTED)/A[0-9]_*.ipynb docs/lessons/
-	$(BIN)/sphinx-build -W --keep-going -q -b html docs build/html
+	$(BIN)/sphinx-build -W --keep-going -q -j auto -b html docs build/html
 	@echo "docs: open build/html/index.html"
 
 gpu-check:  ## on a CUDA machine: scripts under torchrun/deepspeed, gpu tests, lessons 00/07 (nccl)

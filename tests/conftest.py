@@ -1,7 +1,31 @@
 """Shared fixtures. ``cluster`` starts the 2 persistent ranks once for the whole test session;
 ``fused`` is the same ranks with DeepSpeed's FusedAdam op built or loaded."""
 
+import os
+import tempfile
+
 import pytest
+
+
+def pytest_configure(config):
+    """Under pytest-xdist each worker is a machine of its own: its ranks live in its own temporary
+    folder, so a notebook run by the other worker is not "another notebook's ranks" here."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker:
+        os.environ["TMPDIR"] = tempfile.mkdtemp(prefix=f"gas_lab_{worker}_")
+        tempfile.tempdir = None  # gettempdir() reads TMPDIR again
+
+
+def pytest_collection_modifyitems(config, items):
+    """The notebooks first, then the files with a ``ranks`` test, then the rest, each file's tests
+    in their own order: ``make test`` hands whole files to its two workers in this order, so the
+    long ones start early and the many short ones fill the end evenly."""
+    ranks = {item.path for item in items if item.get_closest_marker("ranks") is not None}
+
+    def group(item):
+        return 0 if item.path.suffix == ".ipynb" else 1 if item.path in ranks else 2
+
+    items.sort(key=group)  # stable: the order within a file holds
 
 
 @pytest.fixture(scope="session")
