@@ -41,6 +41,7 @@ lab: $(STAMP)  ## the course: JupyterLab on tutorials/
 # Test workers (pytest-xdist): the suite is mostly process start-up and waiting on other processes,
 # and one worker kept 2 cores 65% busy. Each worker takes whole files (module fixtures start
 # once) in the order tests/conftest.py sets: notebooks, then files that start ranks, then the rest.
+# The docs-site tests run in one process: they share one visit of each page (the `pages` fixture).
 TEST_WORKERS ?= 2
 XDIST := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
@@ -48,7 +49,7 @@ test: lint $(STAMP)  ## every test: unit + 2-rank, every notebook (nbmake), ruff
 	rm -rf $(EXECUTED) && mkdir -p $(EXECUTED) && cp -r tutorials/. $(EXECUTED)/
 	$(PYTEST) $(XDIST) -m "not docs" tests $(EXECUTED) --nbmake --nbmake-timeout=600 --overwrite --durations=12
 	$(MAKE) --no-print-directory docs
-	$(PYTEST) -n $(TEST_WORKERS) -m docs tests/test_docs_site.py
+	$(PYTEST) -m docs tests/test_docs_site.py
 
 unit: $(STAMP)
 	$(PYTEST) -m "not docs" tests

@@ -101,6 +101,7 @@ class Visit:
     requests: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)  # non-loopback, 4xx/5xx, console errors
     bytes_by_url: dict[str, int] = field(default_factory=dict)
+    found: dict = field(default_factory=dict)  # what each test asked of the page (PAGE_QUERIES)
 
 
 def _wait_for_math(browser) -> None:
@@ -184,6 +185,96 @@ def _lesson(nb: str) -> str:
     return f"lessons/{nb}.html"
 
 
+# What the tests below ask of a lesson page (and of the rules page), asked during the one visit
+# each page gets at laptop size (the `pages` fixture): loading a lesson page, MathJax included, is
+# most of the time a question takes, and seven tests ask about the same pages.
+PAGE_QUERIES = {
+    "empty_outputs": (
+        "return Array.from(document.querySelectorAll('article .cell_output')).map(o => {"
+        "  const shown = o.innerText.trim().length > 0 || o.querySelector('img, svg');"
+        "  const widget = o.querySelector("
+        "    'script[type=\"application/vnd.jupyter.widget-view+json\"]');"
+        "  return (shown && !widget) ? null"
+        "    : (o.closest('.cell').querySelector('.cell_input') || o).innerText.slice(0, 80);"
+        "}).filter(x => x !== null)"
+    ),
+    "raw_tables": (
+        "return Array.from(document.querySelectorAll('article p, article li, article td'))"
+        "  .map(e => e.innerText).filter(t => /\\|\\s*-{3,}\\s*\\|/.test(t)"
+        "    || /^\\s*\\|.*\\|\\s*$/m.test(t)).map(t => t.slice(0, 80))"
+    ),
+    "table_cells": (
+        "return Array.from(document.querySelectorAll('article td')).map(td => td.innerText)"
+    ),
+    "wide_tables": (
+        "return Array.from(document.querySelectorAll('article table')).filter(t => {"
+        "  const box = t.closest('article').getBoundingClientRect();"
+        "  return t.getBoundingClientRect().right > box.right + 1"
+        "    || t.scrollWidth > t.clientWidth + 1"
+        "    || (t.parentElement.scrollWidth > t.parentElement.clientWidth + 1);"
+        "}).map(t => Math.round(t.scrollWidth))"
+    ),
+    "output_blocks": (
+        "const canvas = document.createElement('canvas').getContext('2d');"
+        "return Array.from(document.querySelectorAll('article .cell_output pre')).map(p => {"
+        "  const cs = getComputedStyle(p); canvas.font = cs.font;"
+        "  const box = p.clientWidth - parseFloat(cs.paddingLeft)"
+        "    - parseFloat(cs.paddingRight);"
+        "  return {box: box, scrolls: p.scrollWidth > p.clientWidth + 1,"
+        "          lines: p.innerText.split('\\n').map(l => [l, canvas.measureText(l).width])};"
+        "})"
+    ),
+}
+MATH_QUERY = (
+    "const jax = MathJax.OutputJax['HTML-CSS'];"
+    "return {font: jax && jax.fontInUse, log: MathJax.Message.Log(),"
+    " errors: document.querySelectorAll('.MathJax_Error, merror, .merror').length,"
+    " typeset: document.querySelectorAll('article .MathJax').length,"
+    " faces: Array.from(document.fonts).filter(f => /MathJax/.test(f.family))"
+    "   .map(f => f.family + ':' + f.status)}"
+)
+FIGURES_QUERY = (
+    "const done = arguments[arguments.length - 1];"
+    "const sizes = svg => Array.from(svg.querySelectorAll('text')).map(t => {"
+    "  const m = t.getScreenCTM(); const s = Math.hypot(m.a, m.b);"
+    "  return [t.textContent.slice(0, 30), parseFloat(getComputedStyle(t).fontSize) * s];"
+    "});"
+    "const measure = async el => {"
+    "  if (el.tagName.toLowerCase() === 'svg') return {src: 'inline', texts: sizes(el)};"
+    "  if (!/\\.svg$/.test(new URL(el.src).pathname)) return {src: el.src, texts: null};"
+    "  const box = document.createElement('div');"
+    "  box.style.cssText = 'position:absolute;left:0;top:0;visibility:hidden;width:'"
+    "    + el.getBoundingClientRect().width + 'px';"
+    "  box.innerHTML = await (await fetch(el.src)).text();"
+    "  document.body.appendChild(box);"
+    "  const svg = box.querySelector('svg');"
+    "  svg.setAttribute('width', '100%'); svg.removeAttribute('height');"
+    "  const result = {src: el.src, texts: sizes(svg)}; box.remove(); return result;"
+    "};"
+    "const figs = Array.from(document.querySelectorAll("
+    "  'article .cell_output img, article .cell_output svg:not(svg svg)'));"
+    "Promise.all(figs.map(measure)).then(done);"
+)
+
+
+@pytest.fixture(scope="module")
+def pages(browser, site) -> dict[str, Visit]:
+    """Every page, visited once at laptop size; on the lesson pages and the rules page the
+    tests' questions (PAGE_QUERIES, and MATH_QUERY where MathJax typesets) are asked in the same
+    visit."""
+    asked, with_math, out = {*map(_lesson, LESSONS), "rules.html"}, set(_pages_with_math()), {}
+    for page in _pages():
+        seen = visit(browser, site, page)
+        if page in asked:
+            seen.found = {name: browser.execute_script(js) for name, js in PAGE_QUERIES.items()}
+            if page in with_math:
+                seen.found["math"] = browser.execute_script(MATH_QUERY)
+                seen.found["text"] = browser.find_element("tag name", "article").text
+            seen.found["figures"] = browser.execute_async_script(FIGURES_QUERY)  # adds, removes
+        out[page] = seen
+    return out
+
+
 # ---------------------------------------------------------------- the whole site
 def test_index_lists_every_lesson(browser, site):
     visit(browser, site, "index.html")
@@ -195,20 +286,19 @@ def test_index_lists_every_lesson(browser, site):
         assert any(h and h.endswith(f"lessons/{nb}.html") for h in links), f"{nb} not linked"
 
 
-def test_every_page_loads_from_loopback_only_without_errors(browser, site):
+def test_every_page_loads_from_loopback_only_without_errors(pages):
     """Offline room: every asset ships with the site, nothing 404s, the console stays clean."""
     problems = {}
-    for page in _pages():
-        seen = visit(browser, site, page)
+    for page, seen in pages.items():
         if seen.problems:
             problems[page] = seen.problems
     assert problems == {}, json.dumps(problems, indent=1)
 
 
-def test_pages_carry_only_the_assets_they_use(browser, site):
+def test_pages_carry_only_the_assets_they_use(pages):
     heaviest = {}
     for page in ["index.html", *map(_lesson, LESSONS)]:
-        seen = visit(browser, site, page)
+        seen = pages[page]
         assert not any("fontawesome.js" in u for u in seen.requests), (
             f"{page} loads fontawesome.js (1.5 MB): the theme's icons come from its CSS font"
         )
@@ -245,21 +335,14 @@ def _pages_with_math() -> list[str]:
     ]
 
 
-def test_math_is_typeset_in_mathjax_fonts_offline(browser, site):
+def test_math_is_typeset_in_mathjax_fonts_offline(pages):
     """MathJax ships with the site and finds its own web fonts: no 404, no fallback fonts."""
-    pages = _pages_with_math()
-    assert pages, "no lesson page has math: did the notebooks lose their formulas?"
-    for page in pages:
-        seen = visit(browser, site, page)
+    with_math = _pages_with_math()
+    assert with_math, "no lesson page has math: did the notebooks lose their formulas?"
+    for page in with_math:
+        seen = pages[page]
         assert not [p for p in seen.problems if "MathJax" in p or "/jax/" in p], seen.problems
-        state = browser.execute_script(
-            "const jax = MathJax.OutputJax['HTML-CSS'];"
-            "return {font: jax && jax.fontInUse, log: MathJax.Message.Log(),"
-            " errors: document.querySelectorAll('.MathJax_Error, merror, .merror').length,"
-            " typeset: document.querySelectorAll('article .MathJax').length,"
-            " faces: Array.from(document.fonts).filter(f => /MathJax/.test(f.family))"
-            "   .map(f => f.family + ':' + f.status)}"
-        )
+        state = seen.found["math"]
         assert state["typeset"] > 0, f"{page}: no formula typeset"
         assert state["errors"] == 0, f"{page}: MathJax errors"
         assert state["font"] not in (None, "generic", "image"), f"{page}: fallback {state}"
@@ -269,7 +352,7 @@ def test_math_is_typeset_in_mathjax_fonts_offline(browser, site):
         failed = [f for f in faces if f.endswith(":error")]
         assert loaded and not failed, f"{page}: MathJax web fonts {state['faces']}"
         assert not re.search(r"fail|error|can't", state["log"], re.I), state["log"]
-        text = browser.find_element("tag name", "article").text
+        text = seen.found["text"]
         assert "\\frac" not in text and "$$" not in text, f"{page}: raw TeX left"
 
 
@@ -308,20 +391,11 @@ def test_executed_lesson_pages_show_outputs_and_figures(browser, site):
     assert broken == [], f"figures that did not render: {broken}"
 
 
-def test_no_output_is_left_empty(browser, site):
+def test_no_output_is_left_empty(pages):
     """A widget output the site cannot run must still show something (a figure, a note)."""
     empty = {}
     for nb in LESSONS:
-        visit(browser, site, _lesson(nb))
-        found = browser.execute_script(
-            "return Array.from(document.querySelectorAll('article .cell_output')).map(o => {"
-            "  const shown = o.innerText.trim().length > 0 || o.querySelector('img, svg');"
-            "  const widget = o.querySelector("
-            "    'script[type=\"application/vnd.jupyter.widget-view+json\"]');"
-            "  return (shown && !widget) ? null"
-            "    : (o.closest('.cell').querySelector('.cell_input') || o).innerText.slice(0, 80);"
-            "}).filter(x => x !== null)"
-        )
+        found = pages[_lesson(nb)].found["empty_outputs"]
         if found:
             empty[nb] = found
     assert empty == {}, f"outputs that show nothing on the page (cell source): {empty}"
@@ -333,28 +407,17 @@ def test_progress_bar_shows_its_final_state(browser, site):
     assert re.search(r"100%\|.*\| 40/40", text), "lesson 07's progress bar is not on the page"
 
 
-def test_markdown_outputs_render_as_tables(browser, site):
+def test_markdown_outputs_render_as_tables(pages):
     """`display(Markdown(table))` and the rules page: tables, not pipe-separated text."""
     raw = {}
     for page in [*map(_lesson, LESSONS), "rules.html"]:
-        visit(browser, site, page)
-        found = browser.execute_script(
-            "return Array.from(document.querySelectorAll('article p, article li, article td'))"
-            "  .map(e => e.innerText).filter(t => /\\|\\s*-{3,}\\s*\\|/.test(t)"
-            "    || /^\\s*\\|.*\\|\\s*$/m.test(t)).map(t => t.slice(0, 80))"
-        )
+        found = pages[page].found["raw_tables"]
         if found:
             raw[page] = found
     assert raw == {}, f"raw markdown tables: {raw}"
 
 
-def _table_cells(browser) -> list[str]:
-    return browser.execute_script(
-        "return Array.from(document.querySelectorAll('article td')).map(td => td.innerText)"
-    )
-
-
-def test_trap_tables_keep_their_text_and_fit(browser, site):
+def test_trap_tables_keep_their_text_and_fit(pages):
     """The traps table, on the rules page and in lesson 06: every word of the columns each
     shows (an asterisk is a multiplication, not italics), and every column visible at 1366 px."""
     from gas_lab.rules import traps
@@ -363,21 +426,13 @@ def test_trap_tables_keep_their_text_and_fit(browser, site):
     shown = {"rules.html": ("name", "condition", "symptom", "fix"),
              _lesson("06_rejected_combinations"): ("name", "symptom", "fix")}  # fmt: skip
     for page, fields in shown.items():
-        visit(browser, site, page)
-        cells = " ".join(_table_cells(browser))
+        cells = " ".join(pages[page].found["table_cells"])
         for trap in traps.TRAPS:
             for text in (getattr(trap, name) for name in fields):
                 assert " ".join(text.split()) in " ".join(cells.split()), (
                     f"{page}: {text!r} is not in a table cell as written"
                 )
-        wide = browser.execute_script(
-            "return Array.from(document.querySelectorAll('article table')).filter(t => {"
-            "  const box = t.closest('article').getBoundingClientRect();"
-            "  return t.getBoundingClientRect().right > box.right + 1"
-            "    || t.scrollWidth > t.clientWidth + 1"
-            "    || (t.parentElement.scrollWidth > t.parentElement.clientWidth + 1);"
-            "}).map(t => Math.round(t.scrollWidth))"
-        )
+        wide = pages[page].found["wide_tables"]
         assert wide == [], f"{page}: tables wider than the page: {wide} px"
 
 
@@ -394,24 +449,13 @@ def test_rules_page_has_the_generated_table(browser, site):
 _COLUMNS = re.compile(r"\S( {2,}| \| )\S")
 
 
-def test_output_lines_fit_their_box_on_a_laptop(browser, site):
+def test_output_lines_fit_their_box_on_a_laptop(pages):
     """At 1366 px no output hides behind a horizontal scrollbar, and no line of a table (a line
     with aligned columns in a block of such lines, source code included) is wider than its box:
     prose may wrap, columns may not."""
     too_wide = {}
     for nb in LESSONS:
-        visit(browser, site, _lesson(nb))
-        blocks = browser.execute_script(
-            "const canvas = document.createElement('canvas').getContext('2d');"
-            "return Array.from(document.querySelectorAll('article .cell_output pre')).map(p => {"
-            "  const cs = getComputedStyle(p); canvas.font = cs.font;"
-            "  const box = p.clientWidth - parseFloat(cs.paddingLeft)"
-            "    - parseFloat(cs.paddingRight);"
-            "  return {box: box, scrolls: p.scrollWidth > p.clientWidth + 1,"
-            "          lines: p.innerText.split('\\n').map(l => [l, canvas.measureText(l).width])};"
-            "})"
-        )
-        for block in blocks:
+        for block in pages[_lesson(nb)].found["output_blocks"]:
             columnar = [bool(_COLUMNS.search(line.strip())) for line, _ in block["lines"]]
             table = sum(columnar) >= 2
             over = [
@@ -426,7 +470,7 @@ def test_output_lines_fit_their_box_on_a_laptop(browser, site):
     assert too_wide == {}, json.dumps(too_wide, indent=1)
 
 
-def test_figure_text_is_readable_at_display_size(browser, site):
+def test_figure_text_is_readable_at_display_size(pages):
     """Every figure's smallest text is >= MIN_FIGURE_PT at the size the page shows it.
 
     Figures are SVG with live text, so the browser measures each label as displayed: font
@@ -434,29 +478,7 @@ def test_figure_text_is_readable_at_display_size(browser, site):
     """
     small = {}
     for nb in LESSONS:
-        visit(browser, site, _lesson(nb))
-        figures = browser.execute_async_script(
-            "const done = arguments[arguments.length - 1];"
-            "const sizes = svg => Array.from(svg.querySelectorAll('text')).map(t => {"
-            "  const m = t.getScreenCTM(); const s = Math.hypot(m.a, m.b);"
-            "  return [t.textContent.slice(0, 30), parseFloat(getComputedStyle(t).fontSize) * s];"
-            "});"
-            "const measure = async el => {"
-            "  if (el.tagName.toLowerCase() === 'svg') return {src: 'inline', texts: sizes(el)};"
-            "  if (!/\\.svg$/.test(new URL(el.src).pathname)) return {src: el.src, texts: null};"
-            "  const box = document.createElement('div');"
-            "  box.style.cssText = 'position:absolute;left:0;top:0;visibility:hidden;width:'"
-            "    + el.getBoundingClientRect().width + 'px';"
-            "  box.innerHTML = await (await fetch(el.src)).text();"
-            "  document.body.appendChild(box);"
-            "  const svg = box.querySelector('svg');"
-            "  svg.setAttribute('width', '100%'); svg.removeAttribute('height');"
-            "  const result = {src: el.src, texts: sizes(svg)}; box.remove(); return result;"
-            "};"
-            "const figs = Array.from(document.querySelectorAll("
-            "  'article .cell_output img, article .cell_output svg:not(svg svg)'));"
-            "Promise.all(figs.map(measure)).then(done);"
-        )
+        figures = pages[_lesson(nb)].found["figures"]
         for fig in figures:
             name = fig["src"].rsplit("/", 1)[-1][:16]
             if not fig["texts"]:  # a PNG, or an SVG with its text drawn as paths
