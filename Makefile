@@ -56,7 +56,7 @@ unit: $(STAMP)
 
 notebooks: $(STAMP)  ## execute every notebook under nbmake, keeping the executed copies
 	rm -rf $(EXECUTED) && mkdir -p $(EXECUTED) && cp -r tutorials/. $(EXECUTED)/
-	$(PYTEST) $(XDIST) $(EXECUTED) --nbmake --nbmake-timeout=600 --overwrite
+	$(PYTEST) $(EXECUTED) --nbmake --nbmake-timeout=600 --overwrite
 
 normalize: $(STAMP)  ## rewrite every notebook in the form JupyterLab saves (else it opens modified)
 	$(BIN)/python tools/normalize_notebooks.py $(shell find tutorials -name '*.ipynb' -not -path '*/.ipynb_checkpoints/*')
