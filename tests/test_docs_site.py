@@ -257,12 +257,22 @@ FIGURES_QUERY = (
 )
 
 
+def _pages_with_math() -> list[str]:
+    return [
+        _lesson(nb)
+        for nb in LESSONS
+        if 'class="math' in (SITE / _lesson(nb)).read_text(encoding="utf-8")
+    ]
+
+
 @pytest.fixture(scope="module")
 def pages(browser, site) -> dict[str, Visit]:
     """Every page, visited once at laptop size; on the lesson pages and the rules page the
     tests' questions (PAGE_QUERIES, and MATH_QUERY where MathJax typesets) are asked in the same
     visit."""
-    asked, with_math, out = {*map(_lesson, LESSONS), "rules.html"}, set(_pages_with_math()), {}
+    asked = {*map(_lesson, LESSONS), "rules.html"}
+    with_math = set(_pages_with_math())
+    out = {}
     for page in _pages():
         seen = visit(browser, site, page)
         if page in asked:
@@ -327,14 +337,6 @@ def test_search_index_has_no_orphan_pages(browser, site):
 
 
 # ---------------------------------------------------------------- math
-def _pages_with_math() -> list[str]:
-    return [
-        _lesson(nb)
-        for nb in LESSONS
-        if 'class="math' in (SITE / _lesson(nb)).read_text(encoding="utf-8")
-    ]
-
-
 def test_math_is_typeset_in_mathjax_fonts_offline(pages):
     """MathJax ships with the site and finds its own web fonts: no 404, no fallback fonts."""
     with_math = _pages_with_math()
