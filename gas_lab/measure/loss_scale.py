@@ -55,18 +55,25 @@ def fp16_config(stage: int = 0, managed: bool = True, gas: int = 2, **fp16) -> d
 
 
 @contextmanager
-def fp16_check_lifted():
-    """DeepSpeed's CPU accelerator says no to fp16 when oneDNN has no fp16 kernels; inside this
-    block it says yes, the only change, so DeepSpeed's fp16 engine code runs on the CPU."""
+def fp16_support(answer: bool):
+    """DeepSpeed's CPU accelerator says whether fp16 is supported by asking oneDNN, so the answer
+    depends on the CPU (yes with AVX512-FP16, no on most laptops). Inside this block it says
+    ``answer``, the only change."""
     from deepspeed.accelerator import get_accelerator
 
     cls = type(get_accelerator())
     original = cls.is_fp16_supported
-    cls.is_fp16_supported = lambda self: True
+    cls.is_fp16_supported = lambda self: answer
     try:
         yield
     finally:
         cls.is_fp16_supported = original
+
+
+def fp16_check_lifted():
+    """DeepSpeed's CPU accelerator says no to fp16 when oneDNN has no fp16 kernels; inside this
+    block it says yes, so DeepSpeed's fp16 engine code runs on any CPU."""
+    return fp16_support(True)
 
 
 def schedule(optimizer) -> torch.optim.lr_scheduler.LambdaLR:

@@ -45,8 +45,9 @@ NOTES = [  # choices made when measuring, written into the file
     "Adam with torch_adam: true everywhere. With offload_optimizer device cpu DeepSpeed then "
     "wraps torch.optim.AdamW, so no cpu_adam JIT build (minutes) is needed; DeepSpeedCPUAdam "
     "itself is not exercised.",
-    "fp16 is refused at initialize because this CPU reports no fp16 support (DeepSpeed's CPU "
-    "accelerator asks oneDNN): a device check, accepted on devices with fp16.",
+    "fp16 is refused at initialize because the CPU reports no fp16 support: a device check, "
+    "accepted on devices with fp16. DeepSpeed's CPU accelerator asks oneDNN, which says yes on "
+    "CPUs with AVX512-FP16, so measure() pins the answer to no on every machine.",
     "bf16 engines get their inputs cast to bf16.",
     "DeepCompile: engine.compile() is never called, so accepted cases run without it active.",
     "Pipelines: PipelineModule(num_stages=1) on 2 ranks (2-way data parallel), train_batch().",
@@ -208,15 +209,18 @@ def _exception_types(err: BaseException) -> list[str]:
 
 
 def measure(selected: list[dict], engine: str = "deepspeed") -> list[dict]:
-    """On a rank: run every case with DeepSpeed (or gas_lab); quiet DeepSpeed's logging."""
+    """On a rank: run every case with DeepSpeed (or gas_lab), as on a CPU without fp16 kernels;
+    quiet DeepSpeed's logging."""
     import logging
 
     from gas_lab.deepspeed_compat.engine import initialize as gas_initialize
+    from gas_lab.measure.loss_scale import fp16_support
     from gas_lab.measure.parity import deepspeed_initialize
 
     init = deepspeed_initialize() if engine == "deepspeed" else gas_initialize
     logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
-    return [run_case(init, case) for case in selected]
+    with fp16_support(False):  # the same matrix on a CPU with fp16 kernels (see NOTES)
+        return [run_case(init, case) for case in selected]
 
 
 def main(out: Path | None = None) -> Path:
