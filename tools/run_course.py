@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+import kernel_replies  # tools/: a reply is read within a second, not at the cell timeout
 import nbformat
 import zmq
 from nbclient import NotebookClient
@@ -50,6 +51,7 @@ def run_notebook(path: Path, out_dir: Path, timeout: int) -> tuple[float, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    kernel_replies.install()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("notebooks", type=Path, help="a folder of .ipynb files, or one notebook")
     parser.add_argument("out", type=Path, help="folder for the executed copies")
