@@ -67,7 +67,7 @@ def test_a_lost_wake_up_costs_a_second_not_the_timeout():
     # Without the slices the reply is found by the timeout's last check (if pyzmq ever wakes on
     # its own here, kernel_replies.py can go).
     assert late >= TIMEOUT_S - 0.5, f"jupyter_client's own wait read it after {late:.1f} s"
-    assert sliced <= kernel_replies.SLICE_S + 0.5, f"read after {sliced:.1f} s"
+    assert sliced <= 1.5, f"read after {sliced:.1f} s, not within about a second"
 
 
 def test_a_wait_with_nothing_to_read_still_ends_at_its_timeout():
