@@ -151,7 +151,8 @@ class Call:
         stuck = {r: s for r, s in states.items() if r in ranks and s.kind == "collective"}
         if not stuck:
             for r in ranks:
-                os.kill(self.cluster.pids[r], signal.SIGINT)  # a KeyboardInterrupt on the rank
+                if r < len(self.cluster.pids):  # a rank still starting may not be forked yet
+                    os.kill(self.cluster.pids[r], signal.SIGINT)  # a KeyboardInterrupt there
             deadline = time.monotonic() + STOP_GRACE
             try:
                 while self.unfinished() and time.monotonic() < deadline:

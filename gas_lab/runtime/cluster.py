@@ -80,6 +80,10 @@ _ENGINE_ARGS = [
     "--IPEngine.wait_for_url_file=120",
 ]
 _RANK_CMD = [sys.executable, "-m", "gas_lab.runtime.rank_process"]
+# One rank process is started and forks the others once torch is imported (rank_process.py).
+# Linux only: elsewhere forking a process that has imported torch is not known to be safe
+# (macOS), or impossible (Windows), and every rank is started and imports torch itself.
+_FORK_RANKS = sys.platform == "linux"
 
 
 def _free_port() -> int:
@@ -149,6 +153,8 @@ class Cluster(RankWatch):
             # Share the cores instead of every rank spawning one thread per core.
             "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // self.world_size)),
             "PYTHONUNBUFFERED": "1",
+            "GAS_LAB_RANKS": str(self.world_size if _FORK_RANKS else 1),
+            "GAS_LAB_RANKS_DIR": self._tmp,  # where the first rank notes how the others ended
             **marker,
         }
         if self.backend == "gloo":
@@ -175,7 +181,7 @@ class Cluster(RankWatch):
             ),
         )
         self._ipp.start_controller_sync(environment=marker)
-        self._ipp.start_engines_sync(self.world_size, environment=env)
+        self._ipp.start_engines_sync(1 if _FORK_RANKS else self.world_size, environment=env)
         self._client = self._ipp.connect_client_sync()
         self._client.wait_for_engines(self.world_size, timeout=120, interactive=False)
         self._engines = sorted(self._client.ids)[: self.world_size]  # rank r -> engine id
@@ -184,7 +190,7 @@ class Cluster(RankWatch):
         futures = [
             self._view(r).apply_async(call_on_rank, setup_rank, (r, *args), {}) for r in self.ranks
         ]
-        self.pids = [e.pid for e in self._engine_launchers()]  # known before any rank answers
+        self.pids = [e.pid for e in self._engine_launchers()]  # rank 0's known before it answers
         infos = Call(self, futures, timeout=120, what="start-up", restart=False).result()
         self.pids = [i["pid"] for i in infos]
         self._set_up = True

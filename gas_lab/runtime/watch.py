@@ -35,14 +35,15 @@ class RankWatch:
         return dead
 
     def _exit_code(self, pid: int, wait: float = 2.0):
-        """How rank process ``pid`` ended. It is this process's child, and ipyparallel's launcher
-        thread reaps it (a second waiter would race it); psutil keeps the status it got."""
+        """How rank process ``pid`` ended. The first rank is this process's child, and
+        ipyparallel's launcher thread reaps it (a second waiter would race it); the ranks it
+        forked are its children, and it writes how each ended (rank_process.py)."""
         import time
 
+        deadline = time.monotonic() + wait
         launcher = next((e for e in self._engine_launchers() if e.pid == pid), None)
         if launcher is None:
-            return None
-        deadline = time.monotonic() + wait
+            return self._noted_exit_code(pid, deadline)
         while time.monotonic() < deadline:
             code = getattr(launcher.process, "_exitcode", None)
             if isinstance(code, int):
@@ -55,6 +56,29 @@ class RankWatch:
                     return None
             time.sleep(0.02)
         return None
+
+    def _noted_exit_code(self, pid: int, deadline: float):
+        """The exit code the first rank wrote for a rank it forked; None if it wrote none (it
+        ended first, and nobody else can know)."""
+        import time
+
+        import psutil
+
+        parent = next((e.pid for e in self._engine_launchers()), None)
+        while True:
+            try:
+                with open(os.path.join(self._tmp or "", f"exit-{pid}")) as f:
+                    return int(f.read())
+            except (OSError, ValueError):
+                pass  # not written yet
+            try:
+                if psutil.Process(parent).status() == psutil.STATUS_ZOMBIE:
+                    return None
+            except (psutil.Error, ValueError, TypeError):
+                return None
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.02)
 
     def sample(self, ranks: list[int]) -> dict:
         """What each of ``ranks`` is doing now (:func:`gas_lab.runtime.rank_state.sample`)."""
