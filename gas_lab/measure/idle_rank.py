@@ -22,7 +22,7 @@ Every rank joins the step's count first (:func:`step_counts`, one all-gather). E
 checked against :func:`gas_lab.measure.parity.reference_params` (one process, all real
 micro-batches of a step in one mean, no update for a step without data).
 
-``python -m gas_lab.measure.idle_rank`` measures every case, each in two fresh processes (a
+``python -m gas_lab.measure.idle_rank`` measures every case, each in fresh processes (a
 case can crash a rank, abort it from inside gloo or leave it waiting in a collective, so each
 is bounded), and writes ``data/deepspeed_<version>_idle_rank.json``; ``tests/test_idle_rank.py``
 holds the rule to it, and appendix A3 re-measures cases live.
@@ -274,40 +274,78 @@ def _from_log(log: str) -> dict:
     return {"outcome": "no result", "message": log.strip().splitlines()[-1][:200] if log else ""}
 
 
+def _forked_ranks(case: dict, out: str, world_size: int) -> None:
+    """One fresh process: import torch and DeepSpeed once, then fork ``world_size`` ranks, each
+    writing its output to ``log<rank>.txt``; return when every rank has ended. A rank never
+    returns: it raises ``SystemExit``, or whatever ended it, up through the interpreter."""
+    import deepspeed  # noqa: F401  (the slow import, once for all ranks; DS_ACCELERATOR is set)
+
+    pids = []
+    for rank in range(world_size):
+        pid = os.fork()
+        if pid == 0:  # a rank: it ends as a fresh process would, through the interpreter's exit
+            os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank))
+            log = os.open(Path(out) / f"log{rank}.txt", os.O_WRONLY | os.O_CREAT)
+            os.dup2(log, 1)  # what the rank prints, faulthandler and C++ aborts included
+            os.dup2(log, 2)
+            _rank_main(case, out)
+            sys.exit(0)
+        pids.append(pid)
+    for pid in pids:
+        os.waitpid(pid, 0)
+
+
 def measure_case(case: dict, world_size: int = 2, timeout: float = HANG_S + 30) -> dict:
-    """Run ``case`` in ``world_size`` fresh processes; what each rank did, and the seconds."""
+    """Run ``case`` on ``world_size`` fresh rank processes; what each rank did, and the seconds.
+
+    The ranks are forked from one new process that imports torch and DeepSpeed once (on Linux;
+    elsewhere each rank is a new interpreter), in a session of its own: at the timeout the whole
+    session is killed."""
+    import signal
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    env = {**os.environ, "WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port), "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}  # fmt: skip
     with tempfile.TemporaryDirectory() as out:
-        procs, logs = [], []
         start = time.perf_counter()
-        for rank in range(world_size):
-            env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank),
-                   "WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
-                   "MASTER_PORT": str(port), "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}  # fmt: skip
-            log = open(Path(out) / f"log{rank}.txt", "w")  # noqa: SIM115 (closed below)
+        if sys.platform == "linux":
+            code = "import json, sys; from gas_lab.measure.idle_rank import _forked_ranks; " \
+                   "_forked_ranks(json.loads(sys.argv[1]), sys.argv[2], int(sys.argv[3]))"  # fmt: skip
+            with open(Path(out) / "start.txt", "w") as log:  # what it says before forking
+                procs = [subprocess.Popen([sys.executable, "-c", code, json.dumps(case), out,
+                                           str(world_size)], env=env, stdout=log,
+                                          stderr=subprocess.STDOUT, start_new_session=True)]  # fmt: skip
+        else:
             code = "import json, sys; from gas_lab.measure.idle_rank import _rank_main; " \
                    "_rank_main(json.loads(sys.argv[1]), sys.argv[2])"  # fmt: skip
-            procs.append(subprocess.Popen([sys.executable, "-c", code, json.dumps(case), out],
-                                          env=env, stdout=log, stderr=subprocess.STDOUT,
-                                          start_new_session=True))  # fmt: skip
-            logs.append(log)
+            procs = []
+            for rank in range(world_size):
+                with open(Path(out) / f"log{rank}.txt", "w") as log:
+                    procs.append(subprocess.Popen(
+                        [sys.executable, "-c", code, json.dumps(case), out],
+                        env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                        stdout=log, stderr=subprocess.STDOUT, start_new_session=True))  # fmt: skip
         deadline = start + timeout
         for p in procs:
             try:
                 p.wait(timeout=max(deadline - time.perf_counter(), 0.1))
             except subprocess.TimeoutExpired:
-                p.kill()
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)  # the process and every rank it forked
+                except (OSError, AttributeError):
+                    p.kill()
                 p.wait()
         seconds = time.perf_counter() - start
         ranks = []
-        for rank, log in enumerate(logs):
-            log.close()
+        for rank in range(world_size):
             result = Path(out) / f"rank{rank}.json"
-            text = (Path(out) / f"log{rank}.txt").read_text(errors="replace")
+            log = Path(out) / f"log{rank}.txt"
+            if not log.exists():  # never forked: the start's own output says why
+                log = Path(out) / "start.txt"
+            text = log.read_text(errors="replace") if log.exists() else ""
             ranks.append(json.loads(result.read_text()) if result.exists() else _from_log(text))
     return {**case, "ranks": ranks, "seconds": round(seconds, 1)}
 
