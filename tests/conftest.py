@@ -17,12 +17,15 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    """The notebooks first, then the files with a ``ranks`` test, then the rest, each file's tests
-    in their own order: ``make test`` hands whole files to its two workers in this order, so the
-    long ones start early and the many short ones fill the end evenly."""
+    """The notebooks first, then the files with a ``ranks`` test, then the rest, and the docs
+    site last (it renders the executed notebooks), each file's tests in their own order: ``make
+    test`` hands whole files to its two workers in this order, so the long ones start early and
+    the many short ones fill the end evenly."""
     ranks = {item.path for item in items if item.get_closest_marker("ranks") is not None}
 
     def group(item):
+        if item.get_closest_marker("docs") is not None:
+            return 3
         return 0 if item.path.suffix == ".ipynb" else 1 if item.path in ranks else 2
 
     items.sort(key=group)  # stable: the order within a file holds

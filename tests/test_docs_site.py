@@ -1,6 +1,9 @@
 """The built docs site, opened in a real headless Chromium the way a room of learners sees it.
 
-Runs after `make docs` (``pytest -m docs``). The site is served from build/html on loopback;
+Runs after `make docs` (``pytest -m docs``), or inside `make test`'s one pytest session, which
+builds the site here once the notebooks have run (``GAS_LAB_BUILD_SITE=1``; tests/conftest.py
+hands this file out last, so the other worker runs tests meanwhile). The site is served from
+build/html on loopback;
 the room has no internet, so any request that leaves loopback fails a test, as does any 404 or
 console error. Each test asserts one thing a learner would see broken: math in fallback fonts,
 a widget output left empty, a markdown table shown as raw ``|`` text, an output line hidden
@@ -19,6 +22,7 @@ import json
 import os
 import re
 import shutil
+import subprocess
 import threading
 import time
 from dataclasses import dataclass, field
@@ -28,6 +32,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SITE = ROOT / "build" / "html"
+EXECUTED = ROOT / "build" / "notebooks"  # nbmake's executed copies, which the site renders
+NOTEBOOKS_WAIT_S = 900  # for the last notebooks to finish on the other test worker
 pytestmark = pytest.mark.docs
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -39,9 +45,25 @@ PAGE_ASSETS_BUDGET = 1_600_000  # bytes a page may load besides its own figures
 
 
 # ---------------------------------------------------------------- serving and visiting
+def _build_site() -> None:
+    """Inside `make test`: wait until nbmake has written every executed copy (a copy still equal
+    to its tutorials/ source has not run yet), then build the site from them (`make docs`)."""
+    sources = {p.name: p.read_bytes() for p in (ROOT / "tutorials").glob("*.ipynb")}
+    deadline = time.monotonic() + NOTEBOOKS_WAIT_S
+    while waiting := [n for n, text in sources.items() if (EXECUTED / n).read_bytes() == text]:
+        assert time.monotonic() < deadline, f"not executed after {NOTEBOOKS_WAIT_S} s: {waiting}"
+        time.sleep(2)
+    built = subprocess.run(
+        ["make", "--no-print-directory", "docs"], cwd=ROOT, capture_output=True, text=True
+    )
+    assert built.returncode == 0, f"make docs failed:\n{built.stdout[-3000:]}{built.stderr[-3000:]}"
+
+
 @pytest.fixture(scope="module")
 def site():
     """build/html over HTTP on 127.0.0.1, as `python -m http.server` would serve it."""
+    if os.environ.get("GAS_LAB_BUILD_SITE") == "1":
+        _build_site()
     assert (SITE / "index.html").exists(), "build the site first: make docs"
 
     class Quiet(http.server.SimpleHTTPRequestHandler):

@@ -173,8 +173,9 @@ class Cluster(RankWatch):
             profile_dir=os.path.join(self._tmp, "profile"),
             shutdown_atexit=False,
             controller_args=_CONTROLLER_ARGS,
-            # The ranks start together with the controller and import torch while it starts
-            # (rank_process.py); each waits for the controller's connection file itself.
+            # The first rank starts together with the controller and imports torch while it
+            # starts, then forks the others (rank_process.py); each waits for the controller's
+            # connection file itself.
             send_engines_connection_env=False,
             config=Config(
                 LocalEngineSetLauncher={"engine_cmd": _RANK_CMD, "engine_args": _ENGINE_ARGS}
