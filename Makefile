@@ -41,9 +41,9 @@ lab: $(STAMP)  ## the course: JupyterLab on tutorials/
 # Test workers (pytest-xdist): the suite is mostly process start-up and waiting on other processes
 # (one worker kept 2 cores 65% busy; two, 84%; three, 87-93%: the third fills the time the others
 # wait). Each worker takes whole files (module fixtures start once) in the order tests/conftest.py
-# sets: notebooks, then files that start ranks, then the rest, and the docs-site tests last: with
-# GAS_LAB_BUILD_SITE=1 they build the site (`make docs`) from the executed notebooks first, while
-# the other workers run the last test files.
+# sets: the slowest files, the notebooks, the docs site, the files that start ranks, the rest. With
+# GAS_LAB_BUILD_SITE=1 the docs-site tests wait for the executed notebooks, then build the site
+# (`make docs`) and open it, while the other workers run test files.
 TEST_WORKERS ?= 3
 XDIST := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
