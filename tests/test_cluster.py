@@ -200,13 +200,14 @@ def test_no_process_survives_stop_or_exit(end):
     assert leaked == []
 
 
-def test_one_notebooks_ranks_are_five_light_processes(cluster):
-    """2 ranks, ipyparallel's controller (its schedulers are threads) with its heart monitor,
-    and the guardian: one notebook's whole cost on a laptop."""
+def test_one_notebooks_ranks_are_six_light_processes(cluster):
+    """2 ranks and the process that forked them (rank_process.py), ipyparallel's controller (its
+    schedulers are threads) with its heart monitor, and the guardian: one notebook's whole cost
+    on a laptop."""
     procs = psutil.Process().children(recursive=True)
     names = sorted(" ".join(p.cmdline()[1:3]) for p in procs)
-    assert len(procs) == 5, names
-    assert sum("rank_process" in n for n in names) == 2 and sum("lifetime" in n for n in names) == 1
+    assert len(procs) == 6, names
+    assert sum("rank_process" in n for n in names) == 3 and sum("lifetime" in n for n in names) == 1
 
 
 _FIRST = """
@@ -244,11 +245,11 @@ def test_a_second_notebook_names_the_first_ones_ranks_and_can_stop_them(tmp_path
         assert second.returncode == 0, second.stderr
         named = re.search(
             r"gas_lab: another notebook's ranks are running: 04_unmanaged.ipynb "
-            r"\(4 processes, \d+ MB\)\. .* start with gas_lab.start_cluster\(stop_others=True\)",
+            r"\(5 processes, \d+ MB\)\. .* start with gas_lab.start_cluster\(stop_others=True\)",
             second.stderr,
         )
         assert named, second.stderr
-        assert "gas_lab: stopped the ranks of 04_unmanaged.ipynb (4 processes" in second.stderr
+        assert "gas_lab: stopped the ranks of 04_unmanaged.ipynb (5 processes" in second.stderr
         assert not [
             p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"
         ]

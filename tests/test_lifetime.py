@@ -38,8 +38,8 @@ sys.stdin.read()
 
 @pytest.mark.ranks
 def test_a_new_start_ends_what_a_dead_kernel_and_its_guardian_left():
-    """The last layer: kernel and guardian both killed; the ranks end themselves, the sweep
-    every start_cluster runs ends the controller and removes the folder."""
+    """The last layer: kernel and guardian both killed; the ranks end themselves (and their parent
+    with them), the sweep every start_cluster runs ends the controller and removes the folder."""
     import json
 
     proc = subprocess.Popen(
@@ -47,14 +47,14 @@ def test_a_new_start_ends_what_a_dead_kernel_and_its_guardian_left():
     )
     info = json.loads(proc.stdout.readline())
     left = _marked(info["id"])
-    assert len(left) == 4  # the controller and its heart monitor, 2 ranks (not the guardian)
+    assert len(left) == 5  # controller and heart monitor, 2 ranks and their parent (no guardian)
     os.kill(info["guardian"], signal.SIGKILL)
     proc.kill()
     proc.wait()
     time.sleep(3)  # each rank's own watch thread notices within a second
     assert not {p.pid for p in _marked(info["id"])} & set(info["ranks"])
     # The controller had no one to end it: the sweep every start_cluster runs does. (Under
-    # `make test`'s two workers, a start on the other worker may have swept it already.)
+    # `make test`'s workers, a start on another worker may have swept it already.)
     lifetime.end_orphans()
     assert _marked(info["id"]) == [] and not os.path.exists(info["tmp"])
 

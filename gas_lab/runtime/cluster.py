@@ -80,9 +80,9 @@ _ENGINE_ARGS = [
     "--IPEngine.wait_for_url_file=120",
 ]
 _RANK_CMD = [sys.executable, "-m", "gas_lab.runtime.rank_process"]
-# One rank process is started and forks the others once torch is imported (rank_process.py).
-# Linux only: elsewhere forking a process that has imported torch is not known to be safe
-# (macOS), or impossible (Windows), and every rank is started and imports torch itself.
+# One process is started, imports torch and forks the ranks (rank_process.py). Linux only:
+# elsewhere forking a process that has imported torch is not known to be safe (macOS), or
+# impossible (Windows), and every rank is started and imports torch itself.
 _FORK_RANKS = sys.platform == "linux"
 
 
@@ -153,8 +153,8 @@ class Cluster(RankWatch):
             # Share the cores instead of every rank spawning one thread per core.
             "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // self.world_size)),
             "PYTHONUNBUFFERED": "1",
-            "GAS_LAB_RANKS": str(self.world_size if _FORK_RANKS else 1),
-            "GAS_LAB_RANKS_DIR": self._tmp,  # where the first rank notes how the others ended
+            "GAS_LAB_RANKS": str(self.world_size) if _FORK_RANKS else "",
+            "GAS_LAB_RANKS_DIR": self._tmp,  # where their parent notes how each rank ended
             **marker,
         }
         if self.backend == "gloo":
@@ -173,8 +173,8 @@ class Cluster(RankWatch):
             profile_dir=os.path.join(self._tmp, "profile"),
             shutdown_atexit=False,
             controller_args=_CONTROLLER_ARGS,
-            # The first rank starts together with the controller and imports torch while it
-            # starts, then forks the others (rank_process.py); each waits for the controller's
+            # The ranks' parent starts together with the controller and imports torch while it
+            # starts, then forks the ranks (rank_process.py); each waits for the controller's
             # connection file itself.
             send_engines_connection_env=False,
             config=Config(
@@ -191,7 +191,8 @@ class Cluster(RankWatch):
         futures = [
             self._view(r).apply_async(call_on_rank, setup_rank, (r, *args), {}) for r in self.ranks
         ]
-        self.pids = [e.pid for e in self._engine_launchers()]  # rank 0's known before it answers
+        # The processes started (the ranks' parent, or the ranks): watched until the ranks answer.
+        self.pids = [e.pid for e in self._engine_launchers()]
         infos = Call(self, futures, timeout=120, what="start-up", restart=False).result()
         self.pids = [i["pid"] for i in infos]
         self._set_up = True

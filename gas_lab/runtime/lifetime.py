@@ -87,9 +87,9 @@ def _marked() -> dict[str, list[psutil.Process]]:
 def end_processes(procs: list[psutil.Process], timeout: float = 5.0) -> None:
     """SIGKILL ``procs`` and their descendants; wait until each is gone or a zombie.
 
-    Children go first, while their parents live to collect them: the ranks the first rank
-    forked are collected by it at once (rank_process.py). Killed together with it, they would
-    wait as zombies for the system's init, which took about 2 s on a container's init."""
+    Children go first, while their parents live to collect them: the ranks are collected at
+    once by the process that forked them (rank_process.py). Killed together with it, they would
+    wait as zombies for the system's init, which took about 2 s in a container."""
     everyone = {}
     for p in procs:
         try:

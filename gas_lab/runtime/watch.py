@@ -35,9 +35,10 @@ class RankWatch:
         return dead
 
     def _exit_code(self, pid: int, wait: float = 2.0):
-        """How rank process ``pid`` ended. The first rank is this process's child, and
-        ipyparallel's launcher thread reaps it (a second waiter would race it); the ranks it
-        forked are its children, and it writes how each ended (rank_process.py)."""
+        """How rank process ``pid`` ended. A forked rank is the child of the process that forked
+        it, which writes how it ended (rank_process.py). A rank started as a process of its own
+        (not on Linux) is this process's child: ipyparallel's launcher thread reaps it (a second
+        waiter would race it), and psutil keeps the status it got."""
         import time
 
         deadline = time.monotonic() + wait
@@ -58,8 +59,8 @@ class RankWatch:
         return None
 
     def _noted_exit_code(self, pid: int, deadline: float):
-        """The exit code the first rank wrote for a rank it forked; None if it wrote none (it
-        ended first, and nobody else can know)."""
+        """The exit code the ranks' parent wrote for a rank; None if it wrote none (it was
+        killed first, and nobody else can know)."""
         import time
 
         import psutil
