@@ -183,7 +183,9 @@ class Cluster(RankWatch):
         )
         self._ipp.start_controller_sync(environment=marker)
         self._ipp.start_engines_sync(1 if _FORK_RANKS else self.world_size, environment=env)
-        self._client = self._ipp.connect_client_sync()
+        # ipyparallel waits 10 s for the hub's first answer; a controller still starting on a
+        # loaded machine (3 test workers, a C++ build) missed that once in 6 runs.
+        self._client = self._ipp.connect_client_sync(timeout=120)
         self._client.wait_for_engines(self.world_size, timeout=120, interactive=False)
         self._engines = sorted(self._client.ids)[: self.world_size]  # rank r -> engine id
         self._client[self._engines].use_cloudpickle()  # ship functions defined in the notebook
