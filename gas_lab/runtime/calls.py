@@ -151,7 +151,9 @@ class Call:
         stuck = {r: s for r, s in states.items() if r in ranks and s.kind == "collective"}
         if not stuck:
             for r in ranks:
-                if r < len(self.cluster.pids):  # a rank still starting may not be forked yet
+                # Until the ranks answer, pids holds the process that forks them (which ignores
+                # SIGINT), not yet one pid per rank.
+                if r < len(self.cluster.pids):
                     os.kill(self.cluster.pids[r], signal.SIGINT)  # a KeyboardInterrupt there
             deadline = time.monotonic() + STOP_GRACE
             try:

@@ -15,6 +15,7 @@ cluster's folder, where the notebook reads it, and exits after the last one.
 from __future__ import annotations
 
 import os
+import signal
 
 import torch.distributed  # noqa: F401  (the slow import every rank needs for setup_rank)
 from ipyparallel.engine.app import main
@@ -27,6 +28,7 @@ def fork_ranks(n: int, folder: str) -> None:
     for _ in range(n):
         if os.fork() == 0:
             return  # a rank: it becomes an engine
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Kernel -> Interrupt is for the ranks
     for _ in range(n):
         pid, status = os.wait()
         with open(os.path.join(folder, f"exit-{pid}"), "w") as f:
