@@ -181,3 +181,42 @@ def readme_map() -> set[str]:
 def test_the_readme_map_names_every_module():
     """README.md's map lists every module of gas_lab, each in its folder, and nothing else."""
     assert readme_map() == set(modules())
+
+
+# What exists only to match DeepSpeed, by the names gas_lab gives it: it lives in
+# gas_lab.deepspeed_compat, never in the floor the lessons print.
+DEEPSPEED_ONLY = {
+    "comm_dtype", "plan", "precision", "buffers", "reciprocal", "average", "deferred",
+    "last_norm", "skip_nonfinite", "replicated_grad_norm", "deepspeed",
+}  # fmt: skip
+
+
+def deepspeed_names(source: str) -> set[str]:
+    """The DeepSpeed-only names ``source``'s code uses (identifiers, attributes, arguments,
+    imported modules; not its docstrings and comments)."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Name):
+            found.add(node.id)
+        elif isinstance(node, ast.Attribute):
+            found.add(node.attr)
+        elif isinstance(node, ast.arg):
+            found.add(node.arg)
+        elif isinstance(node, ast.FunctionDef | ast.ClassDef):
+            found.add(node.name)
+        elif isinstance(node, ast.Import | ast.ImportFrom):
+            names = [a.name for a in node.names] + [getattr(node, "module", None) or ""]
+            found |= {part for n in names for part in n.split(".")}
+    return found & DEEPSPEED_ONLY
+
+
+def test_the_floor_names_nothing_deepspeed_only():
+    floor = [name for name in modules() if layer_of(name) == "floor"]
+    assert floor and {n: deepspeed_names(modules()[n].read_text()) for n in floor} == {
+        n: set() for n in floor
+    }
+    # ... and the check finds such a name where there is one (else it proves nothing).
+    assert deepspeed_names("def f(g, comm_dtype=None):\n    return g.plan\n") == {
+        "comm_dtype",
+        "plan",
+    }

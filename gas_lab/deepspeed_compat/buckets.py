@@ -26,7 +26,8 @@ power of two).
 ``stage1_calls`` returns the plan as data (:class:`Call`), so a lesson can print it. With
 ``round_robin_gradients`` the parameters are laid into the flat vector in DeepSpeed's
 round-robin order (:func:`round_robin`), which changes who owns which element, not the numbers.
-:class:`Zero1Plan` is what :class:`gas_lab.zero1.ShardedUpdate` is given to run all that, and
+:class:`Zero1Plan` is what :class:`gas_lab.deepspeed_compat.zero.Zero1` is given to run all
+that, and
 :class:`Division` where the config puts the division by W.
 """
 
