@@ -5,11 +5,12 @@ The layers, lowest first (README.md, "The library", draws the same map):
 
 1. **floor**: the concept, what lessons 01-05 and 09 build (accumulate, dp, toys, engine,
    zero1, zero2); nothing of DeepSpeed's bookkeeping.
-2. **rules**: DeepSpeed's refusals and traps as data, the vocabulary of engine calls, the
-   errors gas_lab raises.
+2. **rules**: DeepSpeed's refusals and traps as data, the vocabulary of engine operations,
+   the errors gas_lab raises.
 3. **deepspeed**: ``gas_lab.deepspeed_compat``, DeepSpeed's engine on top of the floor.
-4. **checking**: measuring against DeepSpeed (``gas_lab.measure``, and the rules' matrix,
-   prediction and unsafe teaching mode, which run or parse configs).
+4. **checking**: measuring against DeepSpeed (``gas_lab.measure``, with the refusal matrix,
+   predictions and the unsafe teaching mode, which run or parse configs; and
+   ``python -m gas_lab.timeline``).
 5. **lessons**: what the notebooks need besides the concept.
 6. **package**: ``gas_lab`` itself (``gas_lab.initialize``, ``gas_lab.start_cluster``).
 
@@ -27,11 +28,10 @@ ROOT = Path(__file__).resolve().parents[1]
 LAYERS = [
     ("floor", ["gas_lab.accumulate", "gas_lab.dp", "gas_lab.toys", "gas_lab.engine",
                "gas_lab.zero1", "gas_lab.zero2"]),
-    ("rules", ["gas_lab.errors", "gas_lab.rules", "gas_lab.rules.calls",
+    ("rules", ["gas_lab.errors", "gas_lab.rules", "gas_lab.rules.operations",
                "gas_lab.rules.refusals", "gas_lab.rules.traps"]),
     ("deepspeed", ["gas_lab.deepspeed_compat", "gas_lab.deepspeed_compat.*"]),
-    ("checking", ["gas_lab.measure", "gas_lab.measure.*", "gas_lab.rules.prediction",
-                  "gas_lab.rules.matrix", "gas_lab.rules.unsafe", "gas_lab.timeline"]),
+    ("checking", ["gas_lab.measure", "gas_lab.measure.*", "gas_lab.timeline"]),
     ("lessons", ["gas_lab.lessons", "gas_lab.lessons.*"]),
     ("package", ["gas_lab"]),
 ]  # fmt: skip
@@ -220,3 +220,4 @@ def test_the_floor_names_nothing_deepspeed_only():
         "comm_dtype",
         "plan",
     }
+

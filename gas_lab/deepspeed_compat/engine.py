@@ -25,23 +25,21 @@ What this layer adds to the floor's counting and boundary, each at one named pla
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import functools
-import json
 import os
 
 import torch
 import torch.distributed as dist
 
 from gas_lab.deepspeed_compat import checkpoint, loader, precision, schedules
-from gas_lab.deepspeed_compat.config import GasConfig, load_config
+from gas_lab.deepspeed_compat.config import GasConfig, choose_config, load_config, read_config
 from gas_lab.deepspeed_compat.strategies import strategy_for
 from gas_lab.dp import default_group
 from gas_lab.engine import Engine
-from gas_lab.errors import ConfigError, NotImplementedInGasLab
+from gas_lab.errors import NotImplementedInGasLab
 from gas_lab.rules import refusals
-from gas_lab.rules.calls import situation_action
+from gas_lab.rules.operations import situation_action
 
 TORCH_DISTRIBUTED_DEFAULT_PORT = 29500  # deepspeed.constants'
 
@@ -197,8 +195,8 @@ class DeepSpeedEngine(Engine):
     # -- the rules -------------------------------------------------------------------------------
     def check(self, op: str) -> None:
         """Raise what DeepSpeed raises for the engine call ``op`` (an op of
-        :data:`gas_lab.rules.calls.CALLS`) in this engine's situation; the teaching mode that
-        switches rules off (:mod:`gas_lab.rules.unsafe`) overrides this one method."""
+        :data:`gas_lab.rules.operations.CALLS`) in this engine's situation; the teaching mode that
+        switches rules off (:mod:`gas_lab.measure.unsafe`) overrides this one method."""
         # An update ahead (unmanaged: every step(); managed: the boundary) from no backward(),
         # or (managed) from a window whose boundary micro-step reduced nothing.
         update = op == "step" and (not self.managed or self.is_gradient_accumulation_boundary())
@@ -319,7 +317,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     if group is not None:
         _set_up_deepspeed_comm(distributed_port, dist_init_required)
     world_size = dist.get_world_size(group) if group is not None else 1
-    cfg = load_config(read_config(_the_config(args, config, config_params)), world_size)
+    cfg = load_config(read_config(choose_config(args, config, config_params)), world_size)
     pipeline = any(c.__name__ == "PipelineModule" for c in type(model).__mro__)
     refusals.enforce(refusals.Situation(cfg, pipeline=pipeline))
     device = _device_for(group, model)
@@ -346,66 +344,6 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
             cfg.dataloader_drop_last,
         )  # fmt: skip
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
-
-
-def _the_config(args, config, config_params):
-    """The one config among ``config``, ``config_params`` and ``args.deepspeed_config``, as
-    ``deepspeed.initialize`` picks it (``args.deepscale_config``: its deprecated name)."""
-    if config is None:
-        config = config_params
-    from_args = getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
-    if from_args is not None:
-        if config is not None:
-            raise ConfigError("<config>", "given twice, in args.deepspeed_config and in "
-                              "initialize(config=...): keep one (DeepSpeed asserts the same)",
-                              deepspeed_raises=AssertionError)  # fmt: skip
-        config = from_args
-    if config is None:
-        raise ConfigError("<config>", "none given: pass initialize(config=...) or "
-                          "args.deepspeed_config (--deepspeed_config)",
-                          deepspeed_raises=AssertionError)  # fmt: skip
-    return config
-
-
-def read_config(config) -> dict:
-    """A config dict, or what a path names (a JSON file, read as DeepSpeed reads it: hjson
-    where installed, duplicate keys refused), or a base64-encoded JSON string."""
-    if isinstance(config, (dict, GasConfig)):
-        return config
-    if not isinstance(config, (str, os.PathLike)):
-        raise ConfigError("<config>", f"expected a dict or a path, got {type(config).__name__}")
-    if os.path.isfile(config):
-        with open(config) as f:
-            return _parse_json(f.read(), f"file {os.fspath(config)}")
-    try:
-        text = base64.urlsafe_b64decode(str(config)).decode("utf-8")
-    except (ValueError, UnicodeDecodeError):
-        raise ConfigError("<config>", f"{config!r} is neither a JSON file nor base64-encoded "
-                          "JSON (DeepSpeed raises ValueError too)") from None  # fmt: skip
-    return _parse_json(text, "base64 string")
-
-
-def _parse_json(text: str, where: str) -> dict:
-    def no_duplicates(pairs):
-        keys = [k for k, _ in pairs]
-        duplicate = next((k for k in keys if keys.count(k) > 1), None)
-        if duplicate is not None:
-            raise ConfigError(duplicate, f"appears twice in the config {where}")
-        return dict(pairs)
-
-    try:
-        import hjson  # DeepSpeed's reader: JSON plus comments and trailing commas
-
-        parsed = hjson.loads(text, object_pairs_hook=no_duplicates)
-    except ImportError:
-        parsed = json.loads(text, object_pairs_hook=no_duplicates)
-    except ValueError as err:
-        if isinstance(err, ConfigError):
-            raise
-        raise ConfigError("<config>", f"the config {where} is not JSON: {err}") from None
-    if not isinstance(parsed, dict):
-        raise ConfigError("<config>", f"the config {where} holds a {type(parsed).__name__}")
-    return parsed
 
 
 def _set_up_deepspeed_comm(distributed_port: int, dist_init_required) -> None:

@@ -274,9 +274,9 @@ def record_step(
     """On every rank: the timeline of one step of a fresh run of ``library`` ("deepspeed" or
     "gas_lab") on ``step``'s rollouts, after one unrecorded step on the same rollouts (so that
     nothing of the first step's set-up is in it). ``forward_s`` makes each recorded forward
-    longer (:func:`gas_lab.measure.timeline.record`)."""
+    longer (:func:`gas_lab.measure.recording.record`)."""
     from gas_lab.measure.parity import initializer
-    from gas_lab.measure.timeline import record
+    from gas_lab.measure.recording import record
 
     run = RolloutRun(initializer(library), config, seed)
     run.step(step)

@@ -5,7 +5,7 @@ update of a bf16 run on 2 ranks at ZeRO stage 0 or 1, bit for bit, from every ra
 micro-batch gradients (bf16, as backward wrote them), the accumulation dtype
 (``data_types.grad_accum_dtype``) and the communication dtype (``communication_data_type``).
 The data are the appendix's: the tiny model's real micro-batch gradients
-(:func:`gas_lab.measure.edges.micro_gradients`) for ranks 0 and 1.
+(:func:`gas_lab.measure.bf16_gradients.micro_gradients`) for ranks 0 and 1.
 ``tests/test_appendix_a2_exercises.py`` holds :func:`reference` equal to what DeepSpeed's
 optimizer receives on real ranks.
 
@@ -79,7 +79,7 @@ def _variants(micro_grads, accumulate, communicate) -> dict[str, tuple[torch.Ten
 
 def _case(fn: Callable, n: int, accumulate, communicate) -> Callable[[], tuple]:
     def run():
-        from gas_lab.measure.edges import micro_gradients
+        from gas_lab.measure.bf16_gradients import micro_gradients
 
         grads = [micro_gradients(n, rank=r) for r in range(WORLD)]
         given = [[g.clone() for g in rank] for rank in grads]  # the learner may change them

@@ -1,9 +1,9 @@
 """Measure which combinations DeepSpeed accepts and rejects, and when, on 2 CPU ranks.
 
-    .venv/bin/python -m gas_lab.rules.matrix     # writes data/deepspeed_<version>_matrix.json
+    .venv/bin/python -m gas_lab.measure.matrix     # writes data/deepspeed_<version>_matrix.json
 
 Every case is a config plus a small script of operations ("ops") run after ``initialize``,
-each named once in :mod:`gas_lab.rules.calls`: ``backward`` (forward + ``engine.backward(loss)``),
+each named once in :mod:`gas_lab.rules.operations`: ``backward`` (forward + ``engine.backward(loss)``),
 ``tensor_backward`` (forward + ``loss.backward()``), ``step``,
 ``set_boundary_true``/``set_boundary_false``, ``enter_no_sync``/``exit_no_sync``,
 ``enter_coalesce``/``exit_coalesce`` and ``train_batch`` (pipelines). For each case the file records: accepted or rejected, the exception type and
@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-from gas_lab.rules import calls
+from gas_lab.rules import operations
 
 DATA = Path(__file__).resolve().parents[2] / "data"  # the repository's data/ folder
 GAS = 2  # gradient_accumulation_steps of every case
@@ -173,23 +173,23 @@ def cases() -> list[dict]:
 
 
 # ------------------------------------------------------------------------------- running a case
-def run_case(initialize, case: dict, model_fn=calls.model) -> dict:
+def run_case(initialize, case: dict, model_fn=operations.model) -> dict:
     """Run one case with ``initialize`` (DeepSpeed's or gas_lab's) on this rank.
 
     ``model_fn(pipeline)`` builds the model (tests swap in a stand-in PipelineModule).
     """
-    script, op = calls.Script(), "initialize"
+    script, op = operations.Script(), "initialize"
     try:
         model = model_fn(case["pipeline"])
         engine, *_ = initialize(model=model, model_parameters=model.parameters(),
                                 config=json.loads(json.dumps(case["config"])))  # fmt: skip
         for op in case["ops"]:
-            calls.perform(engine, [op], script)
+            operations.perform(engine, [op], script)
     except Exception as err:  # the point: record whatever is raised, wherever
         return {"outcome": "rejected", "exception": type(err).__name__,
                 "is_a": _exception_types(err),
                 "message": str(err).strip(), "raised_in": op,
-                "moment": calls.call_of(op).moment}  # fmt: skip
+                "moment": operations.call_of(op).moment}  # fmt: skip
     optimizer = getattr(engine, "optimizer", None)
     return {
         "outcome": "accepted", "exception": None, "message": None, "raised_in": None,
@@ -247,7 +247,7 @@ def main(out: Path | None = None) -> Path:
         "torch_version": torch.__version__,
         "python": platform.python_version(),
         "accelerator": "cpu (DS_ACCELERATOR=cpu), gloo, 2 ranks",
-        "measured_by": "python -m gas_lab.rules.matrix",
+        "measured_by": "python -m gas_lab.measure.matrix",
         "notes": NOTES,
         "summary": {
             "cases": len(all_cases),

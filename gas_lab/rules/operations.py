@@ -13,7 +13,7 @@ measured matrix (``data/deepspeed_0.19.8_matrix.json``). Each :class:`Call` says
 * ``perform(engine, script)``: how to do it, on gas_lab's engine or DeepSpeed's alike.
 
 :func:`perform` runs a script of ops on an engine (the matrix, the rules' examples);
-:func:`situation_action` is what the engine and :mod:`gas_lab.rules.prediction` hand a rule.
+:func:`situation_action` is what the engine and :mod:`gas_lab.measure.prediction` hand a rule.
 """
 
 from __future__ import annotations

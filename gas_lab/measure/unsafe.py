@@ -215,7 +215,7 @@ class Run:
     """What :func:`run` leaves on one rank."""
 
     params: torch.Tensor  # the rank's parameters at the end, flat
-    events: list  # its engine calls and collectives (gas_lab.measure.timeline.Event)
+    events: list  # its engine calls and collectives (gas_lab.measure.recording.Event)
     updates: int  # engine.global_steps
 
     def collectives(self) -> Counter:
@@ -247,7 +247,7 @@ def run(
     from gas_lab.deepspeed_compat.engine import initialize as gas_initialize
     from gas_lab.measure.parity import deepspeed_initialize as ds_initialize
     from gas_lab.measure.parity import quiet_deepspeed
-    from gas_lab.measure.timeline import record
+    from gas_lab.measure.recording import record
     from gas_lab.toys import flat_params, micro_batch, tiny_model
 
     skip, bypass = set(skip), contextlib.nullcontext

@@ -1,6 +1,6 @@
 """What DeepSpeed does with a config and a script of engine calls, predicted from the rules.
 
-``python -m gas_lab.rules.matrix`` ran DeepSpeed 0.19.8 on 2 CPU ranks for every combination
+``python -m gas_lab.measure.matrix`` ran DeepSpeed 0.19.8 on 2 CPU ranks for every combination
 that matters and wrote down what happened: accepted, or which exception at which call. That file is
 :func:`measured_matrix`. :func:`predict` answers the same question from the data in
 ``gas_lab/rules/refusals.py`` alone, walking the same script of calls; ``tests/test_rules.py`` checks
@@ -19,8 +19,8 @@ from pathlib import Path
 
 from gas_lab.deepspeed_compat.config import ConfigError, parse
 from gas_lab.engine import is_boundary
-from gas_lab.rules import matrix
-from gas_lab.rules.calls import situation_action
+from gas_lab.measure import matrix
+from gas_lab.rules.operations import situation_action
 from gas_lab.rules.refusals import ALL_RULES, Rule, Situation, first_violation
 
 
@@ -29,7 +29,7 @@ def predict(
 ) -> tuple[Rule | None, str | None]:
     """What DeepSpeed 0.19.8 does (on the CPU accelerator, as measured), from the rules data
     alone: ``(rule, op)`` for the first refusal (``op`` is "initialize" or one of ``ops``, the
-    ops of :mod:`gas_lab.rules.calls`), or ``(None, None)`` if it runs.
+    ops of :mod:`gas_lab.rules.operations`), or ``(None, None)`` if it runs.
 
     Raises ``config.ConfigError`` for configs gas_lab refuses to parse (DeepSpeed is more
     lenient: it ignores unknown keys and takes ``"no"`` for true).
