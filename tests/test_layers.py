@@ -221,3 +221,14 @@ def test_the_floor_names_nothing_deepspeed_only():
         "plan",
     }
 
+
+def test_the_readme_states_the_floor_size():
+    """README.md says how many lines the floor is, to the nearest 100: the floor's files."""
+    text = (ROOT / "README.md").read_text()
+    stated = re.search(
+        r"The floor is six files, .*?: about ([\d,]+) lines \(to the nearest 100", text, re.S
+    )
+    assert stated, "README.md's 'The library' section no longer states the floor's size"
+    floor = [path for name, path in modules().items() if layer_of(name) == "floor"]
+    lines = sum(len(path.read_text().splitlines()) for path in floor)
+    assert len(floor) == 6 and int(stated.group(1).replace(",", "")) == round(lines, -2), lines
