@@ -82,8 +82,16 @@ class ManagedEngine(torch.nn.Module):
     ``group`` is the data-parallel process group (None: one process, no collectives).
     """
 
-    def __init__(self, module, optimizer, gas: int, micro_batch_size: int, group=None,
-                 strategy=AllReduce, max_norm: float = 0.0):  # fmt: skip
+    def __init__(
+        self,
+        module,
+        optimizer,
+        gas: int,
+        micro_batch_size: int,
+        group=None,
+        strategy=AllReduce,
+        max_norm: float = 0.0,
+    ):
         super().__init__()
         broadcast_parameters(module, group)  # every rank starts from rank 0's weights
         self.module, self.group = module, group
@@ -150,8 +158,17 @@ class Engine(ManagedEngine):
     """:class:`ManagedEngine`, or with ``managed=False`` unmanaged accumulation (lesson 04);
     and a strategy that reduces during every backward (ZeRO-2, lesson 09) hears of its end."""
 
-    def __init__(self, module, optimizer, gas: int, micro_batch_size: int, managed=True,
-                 group=None, strategy=AllReduce, max_norm: float = 0.0):  # fmt: skip
+    def __init__(
+        self,
+        module,
+        optimizer,
+        gas: int,
+        micro_batch_size: int,
+        managed=True,
+        group=None,
+        strategy=AllReduce,
+        max_norm: float = 0.0,
+    ):
         super().__init__(module, optimizer, gas, micro_batch_size, group, strategy, max_norm)
         self.managed = managed
         self.backward_calls = 0  # since the last update: unmanaged, what global_samples counts

@@ -141,8 +141,9 @@ class ShardedUpdate:
     on this rank is reduced as zeros.
     """
 
-    def __init__(self, params, optimizer, group=None, max_norm: float = 0.0,
-                 reduce: str = "all_reduce"):  # fmt: skip
+    def __init__(
+        self, params, optimizer, group=None, max_norm: float = 0.0, reduce: str = "all_reduce"
+    ):
         if reduce not in REDUCE_MODES:
             raise ValueError(f"reduce must be one of {REDUCE_MODES}, got {reduce!r}")
         self.group, self.reduce, self.max_norm = group, reduce, max_norm

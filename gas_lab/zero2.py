@@ -47,8 +47,9 @@ class PartitionedGradientUpdate:
     one).
     """
 
-    def __init__(self, params, optimizer, group=None, max_norm: float = 0.0,
-                 bucket_size: int = 500_000_000):  # fmt: skip
+    def __init__(
+        self, params, optimizer, group=None, max_norm: float = 0.0, bucket_size: int = 500_000_000
+    ):
         self.group, self.max_norm = group, max_norm
         self.world_size = dist.get_world_size(group) if group is not None else 1
         self.rank = dist.get_rank(group) if group is not None else 0

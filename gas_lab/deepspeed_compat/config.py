@@ -231,7 +231,7 @@ def with_batch(cfg: GasConfig, world_size: int) -> GasConfig:
             cfg.train_micro_batch_size_per_gpu,
             cfg.gradient_accumulation_steps,
             world_size,
-        )  # fmt: skip
+        )
     )
     cfg.world_size = world_size
     return cfg
@@ -244,8 +244,11 @@ def parse(config: dict | GasConfig) -> GasConfig:
     if not isinstance(config, dict):
         raise ConfigError("<config>", f"expected a dict, got {type(config).__name__}")
     if "world_size" in config:
-        raise ConfigError("world_size", "not a DeepSpeed key: the world size is the process "
-                          "group's (give train_batch_size and the micro-batch size instead)")  # fmt: skip
+        raise ConfigError(
+            "world_size",
+            "not a DeepSpeed key: the world size is the process "
+            "group's (give train_batch_size and the micro-batch size instead)",
+        )
     config = keys.check_known(config)  # what does nothing is accepted, and left out
     if "amp" in config and config["amp"] is None:
         config = {**config, "amp": {}}  # DeepSpeed refuses the key itself, even null (rules)
@@ -264,9 +267,12 @@ def parse(config: dict | GasConfig) -> GasConfig:
 def _check_zero(cfg: GasConfig) -> None:
     """What DeepSpeed checks across keys when it builds its engine and ZeRO optimizer."""
     if cfg.steps_per_print == 0:
-        raise ConfigError("steps_per_print", "0: DeepSpeed divides the step count by it at the "
-                          "first update (ZeroDivisionError); null never prints",
-                          deepspeed_raises=ZeroDivisionError)  # fmt: skip
+        raise ConfigError(
+            "steps_per_print",
+            "0: DeepSpeed divides the step count by it at the "
+            "first update (ZeroDivisionError); null never prints",
+            deepspeed_raises=ZeroDivisionError,
+        )
     zero = cfg.zero_optimization
     if zero.stage in (1, 2) and zero.allgather_bucket_size % 2:
         raise ConfigError(
@@ -277,8 +283,10 @@ def _check_zero(cfg: GasConfig) -> None:
         )
     if not zero.compute_grad_norm:
         if zero.stage not in (1, 2):
-            raise ConfigError("zero_optimization.compute_grad_norm",
-                              "false is supported only with ZeRO stage 1 or 2 (as in DeepSpeed)")  # fmt: skip
+            raise ConfigError(
+                "zero_optimization.compute_grad_norm",
+                "false is supported only with ZeRO stage 1 or 2 (as in DeepSpeed)",
+            )
         if cfg.gradient_clipping > 0:
             raise ConfigError(
                 "zero_optimization.compute_grad_norm",
@@ -301,14 +309,19 @@ def choose_config(args, config, config_params):
     from_args = getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
     if from_args is not None:
         if config is not None:
-            raise ConfigError("<config>", "given twice, in args.deepspeed_config and in "
-                              "initialize(config=...): keep one (DeepSpeed asserts the same)",
-                              deepspeed_raises=AssertionError)  # fmt: skip
+            raise ConfigError(
+                "<config>",
+                "given twice, in args.deepspeed_config and in "
+                "initialize(config=...): keep one (DeepSpeed asserts the same)",
+                deepspeed_raises=AssertionError,
+            )
         config = from_args
     if config is None:
-        raise ConfigError("<config>", "none given: pass initialize(config=...) or "
-                          "args.deepspeed_config (--deepspeed_config)",
-                          deepspeed_raises=AssertionError)  # fmt: skip
+        raise ConfigError(
+            "<config>",
+            "none given: pass initialize(config=...) or args.deepspeed_config (--deepspeed_config)",
+            deepspeed_raises=AssertionError,
+        )
     return config
 
 
@@ -325,8 +338,11 @@ def read_config(config) -> dict:
     try:
         text = base64.urlsafe_b64decode(str(config)).decode("utf-8")
     except (ValueError, UnicodeDecodeError):
-        raise ConfigError("<config>", f"{config!r} is neither a JSON file nor base64-encoded "
-                          "JSON (DeepSpeed raises ValueError too)") from None  # fmt: skip
+        raise ConfigError(
+            "<config>",
+            f"{config!r} is neither a JSON file nor base64-encoded "
+            "JSON (DeepSpeed raises ValueError too)",
+        ) from None
     return _parse_json(text, "base64 string")
 
 

@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from gas_lab.deepspeed_compat import checkpoint, loader, precision, schedules
 from gas_lab.deepspeed_compat.config import GasConfig, choose_config, load_config, read_config
+from gas_lab.deepspeed_compat.devices import device_for, device_of, set_up_deepspeed_comm
 from gas_lab.deepspeed_compat.strategies import strategy_for
 from gas_lab.dp import default_group
 from gas_lab.engine import Engine
@@ -53,10 +54,15 @@ class DeepSpeedEngine(Engine):
 
     def __init__(self, module, optimizer, config: GasConfig, group, strategy, device=None):
         super().__init__(
-            module, optimizer, config.gradient_accumulation_steps,
-            config.train_micro_batch_size_per_gpu, config.managed_gradient_accumulation, group,
-            functools.partial(strategy, config=config), config.gradient_clipping,
-        )  # fmt: skip
+            module,
+            optimizer,
+            config.gradient_accumulation_steps,
+            config.train_micro_batch_size_per_gpu,
+            config.managed_gradient_accumulation,
+            group,
+            functools.partial(strategy, config=config),
+            config.gradient_clipping,
+        )
         self._config = config
         self.precision = precision.route(config)  # where a bf16 run rounds (lesson 08)
         self.skipped_steps = 0  # updates skipped for a non-finite gradient norm
@@ -74,7 +80,7 @@ class DeepSpeedEngine(Engine):
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
         self.dp_world_size = self.world_size
         self.data_parallel_group = group
-        self.device = device if device is not None else _device_of(module)
+        self.device = device if device is not None else device_of(module)
         self.mpu = None
 
     # -- the training loop: the floor's, with DeepSpeed's checks and hooks --------------------
@@ -201,10 +207,12 @@ class DeepSpeedEngine(Engine):
         # or (managed) from a window whose boundary micro-step reduced nothing.
         update = op == "step" and (not self.managed or self.is_gradient_accumulation_boundary())
         situation = refusals.Situation(
-            self._config, situation_action(op), inside_no_sync=self.inside_no_sync_ctxt,
+            self._config,
+            situation_action(op),
+            inside_no_sync=self.inside_no_sync_ctxt,
             idle=update and self._window_empty,
             no_boundary_backward=update and self.managed and not self._boundary_reduced,
-        )  # fmt: skip
+        )
         refusals.enforce(situation)
 
     # -- read-only facts, named as in DeepSpeed --------------------------------------------------
@@ -264,19 +272,46 @@ class DeepSpeedEngine(Engine):
         """Save on every rank; exact only at a boundary (gradients are not saved)."""
         return checkpoint.save(self, self.strategy, save_dir, tag, client_state, save_latest)
 
-    def load_checkpoint(self, load_dir, tag=None, load_module_strict=True,
-                        load_optimizer_states=True, load_lr_scheduler_states=True,
-                        load_module_only=False):  # fmt: skip
+    def load_checkpoint(
+        self,
+        load_dir,
+        tag=None,
+        load_module_strict=True,
+        load_optimizer_states=True,
+        load_lr_scheduler_states=True,
+        load_module_only=False,
+    ):
         """Restore weights, optimizer, scheduler and counters: ``(path, client_state)``."""
-        return checkpoint.load(self, self.strategy, load_dir, tag, load_module_strict,
-                               load_optimizer_states, load_lr_scheduler_states,
-                               load_module_only)  # fmt: skip
+        return checkpoint.load(
+            self,
+            self.strategy,
+            load_dir,
+            tag,
+            load_module_strict,
+            load_optimizer_states,
+            load_lr_scheduler_states,
+            load_module_only,
+        )
 
 
-def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None,
-               lr_scheduler=None, distributed_port=TORCH_DISTRIBUTED_DEFAULT_PORT, mpu=None,
-               dist_init_required=None, collate_fn=None, config=None, mesh_param=None,
-               config_params=None, *, group=None, strategy=None):  # fmt: skip
+def initialize(
+    args=None,
+    model=None,
+    optimizer=None,
+    model_parameters=None,
+    training_data=None,
+    lr_scheduler=None,
+    distributed_port=TORCH_DISTRIBUTED_DEFAULT_PORT,
+    mpu=None,
+    dist_init_required=None,
+    collate_fn=None,
+    config=None,
+    mesh_param=None,
+    config_params=None,
+    *,
+    group=None,
+    strategy=None,
+):
     """gas_lab's ``deepspeed.initialize``, with DeepSpeed 0.19.8's arguments: ``(engine,
     optimizer, training_dataloader, lr_scheduler)``, the last two None when not asked for.
 
@@ -311,16 +346,18 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
                 f"{name} out, or use deepspeed.initialize"
             )
     if dist_init_required is False and not dist.is_initialized():
-        raise ValueError("dist_init_required=False, but no process group exists: start one "
-                         "first, or leave dist_init_required out (DeepSpeed asserts the same)")  # fmt: skip
+        raise ValueError(
+            "dist_init_required=False, but no process group exists: start one "
+            "first, or leave dist_init_required out (DeepSpeed asserts the same)"
+        )
     group = group if group is not None else default_group()
     if group is not None:
-        _set_up_deepspeed_comm(distributed_port, dist_init_required)
+        set_up_deepspeed_comm(distributed_port, dist_init_required)
     world_size = dist.get_world_size(group) if group is not None else 1
     cfg = load_config(read_config(choose_config(args, config, config_params)), world_size)
     pipeline = any(c.__name__ == "PipelineModule" for c in type(model).__mro__)
     refusals.enforce(refusals.Situation(cfg, pipeline=pipeline))
-    device = _device_for(group, model)
+    device = device_for(group, model)
     model.to(device)  # as DeepSpeed does: with nccl, this rank's GPU
     precision.cast_parameters(model, cfg.model_dtype)  # bf16: the weights, not the buffers
     if optimizer is None:  # as in DeepSpeed, a client optimizer wins over the config's
@@ -340,36 +377,14 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     if training_data is not None:
         rank = dist.get_rank(group) if group is not None else 0
         engine.training_dataloader = loader.training_loader(
-            training_data, cfg.train_micro_batch_size_per_gpu, world_size, rank, collate_fn,
+            training_data,
+            cfg.train_micro_batch_size_per_gpu,
+            world_size,
+            rank,
+            collate_fn,
             cfg.dataloader_drop_last,
-        )  # fmt: skip
+        )
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
-
-
-def _set_up_deepspeed_comm(distributed_port: int, dist_init_required) -> None:
-    """``deepspeed.initialize`` leaves ``deepspeed.comm`` ready (``deepspeed.comm.get_rank()``
-    works after it); so does gas_lab's, on the process group that exists, where DeepSpeed is
-    installed."""
-    backend = dist.get_backend()
-    os.environ.setdefault("DS_ACCELERATOR", "cuda" if backend == "nccl" else "cpu")
-    try:
-        from deepspeed import comm
-    except ImportError:  # nothing written for DeepSpeed runs here then
-        return
-    comm.init_distributed(dist_backend=backend, distributed_port=distributed_port,
-                          dist_init_required=dist_init_required, verbose=False)  # fmt: skip
-
-
-def _device_for(group, module) -> torch.device:
-    """Where DeepSpeed puts the model: this rank's GPU when the group runs on nccl; otherwise
-    gas_lab leaves it where it is (DeepSpeed's CPU accelerator: the CPU)."""
-    if group is not None and dist.get_backend(group) == "nccl":
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
-    return _device_of(module)
-
-
-def _device_of(module) -> torch.device:
-    return next((p.device for p in module.parameters()), torch.device("cpu"))
 
 
 def _output_tensors(out) -> list[torch.Tensor]:

@@ -42,8 +42,15 @@ class AllReduceUpdate(AllReduce):
     ``FP16_UnfusedOptimizer``.
     """
 
-    def __init__(self, params, optimizer, group, max_norm, division: buckets.Division,
-                 route: precision.Precision):  # fmt: skip
+    def __init__(
+        self,
+        params,
+        optimizer,
+        group,
+        max_norm,
+        division: buckets.Division,
+        route: precision.Precision,
+    ):
         # Frozen and empty parameters have nothing to reduce (DeepSpeed skips them too).
         super().__init__([p for p in params if p.numel() > 0], optimizer, group, max_norm)
         self.division, self.precision = division, route
@@ -101,8 +108,16 @@ def zero1(params, optimizer, group, max_norm, config, reduce: str | None = None)
     textbook reductions instead of DeepSpeed's buckets, in the plain layout)."""
     route = precision.route(config)
     plan = None if reduce is not None else buckets.Zero1Plan.of(config, route)
-    strategy = Zero1(params, optimizer, group, max_norm, reduce or "all_reduce",
-                     config.gradient_allreduce_op == "mean", plan, route)  # fmt: skip
+    strategy = Zero1(
+        params,
+        optimizer,
+        group,
+        max_norm,
+        reduce or "all_reduce",
+        config.gradient_allreduce_op == "mean",
+        plan,
+        route,
+    )
     expose_full_gradients(strategy)
     return strategy
 
@@ -120,8 +135,9 @@ def zero2(params, optimizer, group, max_norm, config):
 
 
 def stage0(params, optimizer, group, max_norm, config):
-    return AllReduceUpdate(params, optimizer, group, max_norm, buckets.Division.of(config),
-                           precision.route(config))  # fmt: skip
+    return AllReduceUpdate(
+        params, optimizer, group, max_norm, buckets.Division.of(config), precision.route(config)
+    )
 
 
 def strategy_for(stage: int, reduce: str | None = None):

@@ -30,8 +30,17 @@ class Zero1(ShardedUpdate):
     ``reduce``) and ``precision``; ``average`` False sums over ranks instead (lesson 08).
     Without a plan: lesson 05's ``reduce``, in the precision's communication dtype."""
 
-    def __init__(self, params, optimizer, group=None, max_norm: float = 0.0,
-                 reduce: str = "all_reduce", average: bool = True, plan=None, precision=None):  # fmt: skip
+    def __init__(
+        self,
+        params,
+        optimizer,
+        group=None,
+        max_norm: float = 0.0,
+        reduce: str = "all_reduce",
+        average: bool = True,
+        plan=None,
+        precision=None,
+    ):
         world = dist.get_world_size(group) if group is not None else 1
         originals = arrange(params, optimizer, world, plan.order if plan is not None else None)
         super().__init__(params, optimizer, group, max_norm, reduce)
@@ -124,8 +133,9 @@ def arrange(params, optimizer, world_size: int, order=None) -> list[list]:
         if mine:
             originals.append(mine)
             if order is not None:
-                param_group["params"] = [mine[i] for i in order([p.numel() for p in mine],
-                                                                world_size)]  # fmt: skip
+                param_group["params"] = [
+                    mine[i] for i in order([p.numel() for p in mine], world_size)
+                ]
     return originals
 
 
@@ -151,8 +161,15 @@ class Zero2(PartitionedGradientUpdate):
     (:meth:`defer_reduction`); the norm per piece in float64 and the clip factor rounded as
     DeepSpeed's ZeRO-2 optimizer rounds it; a non-finite norm skips the update."""
 
-    def __init__(self, params, optimizer, group=None, max_norm: float = 0.0,
-                 bucket_size: int = 500_000_000, average: bool = True):  # fmt: skip
+    def __init__(
+        self,
+        params,
+        optimizer,
+        group=None,
+        max_norm: float = 0.0,
+        bucket_size: int = 500_000_000,
+        average: bool = True,
+    ):
         super().__init__(params, optimizer, group, max_norm, bucket_size)
         self.average = average
         self.deferred = False  # inside coalesce_grad_reduction(): gradients stay local

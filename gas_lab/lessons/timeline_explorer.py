@@ -45,8 +45,9 @@ class TimelineExplorer(w.VBox if w is not None else object):
         style = {"description_width": "7em"}
 
         def buttons(name, options):
-            return w.ToggleButtons(options=options, value=start[name], style=style,
-                                   description=name.replace("_", " "))  # fmt: skip
+            return w.ToggleButtons(
+                options=options, value=start[name], style=style, description=name.replace("_", " ")
+            )
 
         self.library = buttons("library", list(LIBRARY_TITLES))
         self.mode = buttons("mode", ["managed", "unmanaged"])
@@ -98,6 +99,8 @@ class TimelineExplorer(w.VBox if w is not None else object):
     def _repr_mimebundle_(self, **kwargs) -> dict:
         """The live widget, plus a still picture for viewers without a kernel."""
         return with_still_picture(
-            super()._repr_mimebundle_(**kwargs), f"timeline explorer ({self.message.value})",
-            self._svg, "its buttons and sliders record and redraw it",
-        )  # fmt: skip
+            super()._repr_mimebundle_(**kwargs),
+            f"timeline explorer ({self.message.value})",
+            self._svg,
+            "its buttons and sliders record and redraw it",
+        )

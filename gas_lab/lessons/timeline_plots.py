@@ -219,8 +219,16 @@ def _draw_call(ax: Axes, p: Placed, y: int):
     e = p.event
     kind = e.name if e.name != "step" else "update" if e.boundary else "count"
     off, height = ENGINE_LANE
-    ax.barh(y + off, p.x1 - p.x0, left=p.x0, height=height, align="edge",
-            color=CALL_COLOURS[kind], edgecolor="white", linewidth=1)  # fmt: skip
+    ax.barh(
+        y + off,
+        p.x1 - p.x0,
+        left=p.x0,
+        height=height,
+        align="edge",
+        color=CALL_COLOURS[kind],
+        edgecolor="white",
+        linewidth=1,
+    )
     if e.name in ("forward", "backward") and e.micro is not None:
         labels = [f"{e.name[0].upper()}{e.micro}"]
     elif kind == "update":
@@ -236,10 +244,27 @@ def _draw_collective(ax: Axes, p: Placed, y: int):
     colour = KIND_COLOURS.get(e.kind, OTHER_COLOUR)
     off, height = COLLECTIVE_LANE
     if p.ready > p.x0:  # waiting for the other ranks: hatched, pale
-        ax.barh(y + off, p.ready - p.x0, left=p.x0, height=height, align="edge",
-                color="white", edgecolor=colour, hatch="///", linewidth=0.8)  # fmt: skip
-    ax.barh(y + off, p.x1 - p.ready, left=p.ready, height=height, align="edge",
-            color=colour, edgecolor="white", linewidth=1)  # fmt: skip
+        ax.barh(
+            y + off,
+            p.ready - p.x0,
+            left=p.x0,
+            height=height,
+            align="edge",
+            color="white",
+            edgecolor=colour,
+            hatch="///",
+            linewidth=0.8,
+        )
+    ax.barh(
+        y + off,
+        p.x1 - p.ready,
+        left=p.ready,
+        height=height,
+        align="edge",
+        color=colour,
+        edgecolor="white",
+        linewidth=1,
+    )
     labels = [f"{e.kind}\n{_bytes(e.bytes)}", _bytes(e.bytes)]  # the kind, as in the legend
     width = p.x1 - p.ready
     _label(ax, labels, (p.ready + p.x1) / 2, y + off + height / 2, width, "white")
@@ -250,8 +275,9 @@ def _bytes(n: int) -> str:
 
 
 def _label(ax: Axes, candidates: list[str], x: float, y: float, width: float, colour: str):
-    text = ax.text(x, y, candidates[0], ha="center", va="center", color=colour,
-                   linespacing=1.15, zorder=4)  # fmt: skip
+    text = ax.text(
+        x, y, candidates[0], ha="center", va="center", color=colour, linespacing=1.15, zorder=4
+    )
     text._gas_lab_candidates = candidates  # the shorter spellings to try if it does not fit
     text._gas_lab_box = (x - width / 2, x + width / 2)
     text.set_in_layout(False)

@@ -18,13 +18,16 @@ def boundary_gradient(lib: str, config: dict, n: int) -> dict:
     model = tiny_model(0, **DIMS)
     optimizer = RecordingSGD(model.parameters(), lr=0.0)
     try:
-        engine, wrapped, *_ = quiet_initializer(lib)(model=model, optimizer=optimizer,
-                                                      config=config)  # fmt: skip
+        engine, wrapped, *_ = quiet_initializer(lib)(
+            model=model, optimizer=optimizer, config=config
+        )
     except Exception as err:  # the point: which libraries refuse, and with what
         # gas_lab's refusals name the exception type DeepSpeed raises for the same rule.
         raises = getattr(getattr(err, "rule", None), "deepspeed_raises", type(err).__name__)
-        return {"refused": f"{type(err).__name__}: {str(err).splitlines()[0][:160]}",
-                "raises_as": raises}  # fmt: skip
+        return {
+            "refused": f"{type(err).__name__}: {str(err).splitlines()[0][:160]}",
+            "raises_as": raises,
+        }
     rank = dist.get_rank()
     dtype = next(engine.module.parameters()).dtype
     for micro in range(n):
@@ -84,16 +87,20 @@ def accumulation_buffer(config: dict) -> dict:
     in the places looked at). Call on every rank."""
     model = tiny_model(0, **DIMS)
     optimizer = RecordingSGD(model.parameters(), lr=0.0)
-    engine, wrapped, *_ = quiet_initializer("deepspeed")(model=model, optimizer=optimizer,
-                                                          config=config)  # fmt: skip
+    engine, wrapped, *_ = quiet_initializer("deepspeed")(
+        model=model, optimizer=optimizer, config=config
+    )
     x, y = micro_batch(0, 0, 0, dist.get_rank(), 2, DIMS["d_in"], DIMS["d_out"])
     dtype = next(engine.module.parameters()).dtype
     engine.backward(torch.nn.functional.mse_loss(engine(x.to(dtype)).float(), y))
     # BF16_Optimizer: fp32 flat buffers; ZeRO-2 with a separate dtype: a flat partition per
     # param group (this rank's share only); otherwise the parameters' own .grad.
     held = list(getattr(wrapped, "fp32_groups_gradients_flat", []))
-    held += [g.flat_partition for g in getattr(wrapped, "averaged_gradients", {}).values()
-             if getattr(g, "flat_partition", None) is not None]  # fmt: skip
+    held += [
+        g.flat_partition
+        for g in getattr(wrapped, "averaged_gradients", {}).values()
+        if getattr(g, "flat_partition", None) is not None
+    ]
     if getattr(wrapped, "grads_in_partition", None) is not None:  # ZeRO-2, the model's dtype
         held.append(wrapped.grads_in_partition)
     held = held or [p.grad for p in engine.module.parameters() if p.grad is not None]

@@ -24,8 +24,14 @@ def chrome_trace(events: Sequence[Event], **metadata) -> dict:
         out += [
             {"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank}"}},
             {"name": "process_sort_index", "ph": "M", "pid": rank, "args": {"sort_index": rank}},
-            {"name": "thread_name", "ph": "M", "pid": rank, "tid": LANE, "args": {"name": LANE_NAME}},
-        ]  # fmt: skip
+            {
+                "name": "thread_name",
+                "ph": "M",
+                "pid": rank,
+                "tid": LANE,
+                "args": {"name": LANE_NAME},
+            },
+        ]
     for e in sorted(events, key=lambda e: (e.rank, e.start_ns, e.cat != "engine")):
         args = {"step": e.step, "micro_batch": e.micro}
         if e.cat == "engine" and e.name == "step":

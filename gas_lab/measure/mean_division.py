@@ -65,8 +65,11 @@ def division(lib: str, config: dict, stage: int | None = None, dims: dict | None
         engine.step()
     # The gradient's collectives: the all-reduces and reduces of more than one element (the
     # 4-byte gradient norm is one).
-    carried = [(c, t) for c, t in zip(log.calls, log.tensors, strict=True)
-               if c.kind in ("all_reduce", "reduce") and t is not None and t[0].numel() > 1]  # fmt: skip
+    carried = [
+        (c, t)
+        for c, t in zip(log.calls, log.tensors, strict=True)
+        if c.kind in ("all_reduce", "reduce") and t is not None and t[0].numel() > 1
+    ]
     handed = torch.cat([t[0].reshape(-1) for _, t in carried]) if carried else local.new_zeros(0)
     parts = [None] * world
     dist.all_gather_object(parts, optimizer.seen)
@@ -100,5 +103,7 @@ def division_rows(divided: dict, lib: str = "deepspeed") -> list[dict]:
 
     stages = sorted({stage for _, stage in divided})
     keys = list(dict.fromkeys(key for key, _ in divided))
-    return [{"config": key, **{f"stage {s}": says(divided[(key, s)][lib]) for s in stages}}
-            for key in keys]  # fmt: skip
+    return [
+        {"config": key, **{f"stage {s}": says(divided[(key, s)][lib]) for s in stages}}
+        for key in keys
+    ]

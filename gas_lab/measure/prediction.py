@@ -44,8 +44,14 @@ def predict(
         gas = cfg.gradient_accumulation_steps or 1
         boundary = override if override is not None else is_boundary(micro, gas)
         update = op == "step" and (not managed or boundary)
-        situation = Situation(cfg, action, inside, pipeline, idle and update,
-                              no_boundary_backward=update and managed and not reduced)  # fmt: skip
+        situation = Situation(
+            cfg,
+            action,
+            inside,
+            pipeline,
+            idle and update,
+            no_boundary_backward=update and managed and not reduced,
+        )
         rule = first_violation(situation, ALL_RULES)
         if rule is not None:
             return rule, op
@@ -86,6 +92,8 @@ def disagreements(measured: dict | None = None) -> tuple[list[str], list[str]]:
             continue
         predicted = ("accepted", None, None) if rule is None else ("rejected", rule.moment, op)
         if predicted != (case["outcome"], case["moment"], case["raised_in"]):
-            wrong.append(f"{case['id']}: predicted {predicted}, measured "
-                         f"{(case['outcome'], case['moment'], case['raised_in'])}")  # fmt: skip
+            wrong.append(
+                f"{case['id']}: predicted {predicted}, measured "
+                f"{(case['outcome'], case['moment'], case['raised_in'])}"
+            )
     return wrong, unparsed

@@ -55,9 +55,14 @@ def play(engine, evs, seed: int = 0, lr_kwargs=None, loss_scale: float = 1.0) ->
         else:
             engine.step(lr_kwargs=lr_kwargs(step) if callable(lr_kwargs) else lr_kwargs)
             sched = engine.lr_scheduler
-            trace.append({"lr": engine.get_lr()[0], "applied": engine.was_step_applied(),
-                          "last_batch_iteration": getattr(sched, "last_batch_iteration", None),
-                          **counters(engine)})  # fmt: skip
+            trace.append(
+                {
+                    "lr": engine.get_lr()[0],
+                    "applied": engine.was_step_applied(),
+                    "last_batch_iteration": getattr(sched, "last_batch_iteration", None),
+                    **counters(engine),
+                }
+            )
     return trace
 
 
@@ -101,9 +106,14 @@ class RecordingSGD(torch.optim.SGD):
     sees: fp32 masters or a ZeRO shard, whatever the engine gives its optimizer)."""
 
     def step(self, closure=None):
-        self.seen = torch.cat([p.grad.detach().double().reshape(-1)
-                               for g in self.param_groups for p in g["params"]
-                               if p.grad is not None])  # fmt: skip
+        self.seen = torch.cat(
+            [
+                p.grad.detach().double().reshape(-1)
+                for g in self.param_groups
+                for p in g["params"]
+                if p.grad is not None
+            ]
+        )
         return super().step(closure)
 
 

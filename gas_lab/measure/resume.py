@@ -9,8 +9,9 @@ from gas_lab.measure.replay import build, counters, events, play
 from gas_lab.toys import flat_params
 
 
-def resume(lib: str, config: dict, micro_batches: list[int], save_after: int, restart_at: int,
-           folder: str) -> dict:  # fmt: skip
+def resume(
+    lib: str, config: dict, micro_batches: list[int], save_after: int, restart_at: int, folder: str
+) -> dict:
     """Save after event ``save_after`` (count of events run), load into a fresh engine built
     from another seed, replay the events from ``restart_at``; compare with an uninterrupted
     run. Call on every rank with the same ``folder``."""
@@ -27,11 +28,15 @@ def resume(lib: str, config: dict, micro_batches: list[int], save_after: int, re
     play(fresh, evs[restart_at:])
     final = flat_params(fresh.module)
     return {
-        "saved_at": saved_at, "after_load": after_load, "final": counters(fresh),
-        "reference": counters(reference), "client_state": client, "loaded": path is not None,
-        "params": final, "diff_vs_uninterrupted":
-            (final - flat_params(reference.module)).abs().max().item(),
-    }  # fmt: skip
+        "saved_at": saved_at,
+        "after_load": after_load,
+        "final": counters(fresh),
+        "reference": counters(reference),
+        "client_state": client,
+        "loaded": path is not None,
+        "params": final,
+        "diff_vs_uninterrupted": (final - flat_params(reference.module)).abs().max().item(),
+    }
 
 
 def save_points(managed: bool, micro_batches: list[int], window: int, after: int) -> dict:
@@ -47,8 +52,9 @@ def save_points(managed: bool, micro_batches: list[int], window: int, after: int
 PLANS = ("boundary", "mid, continue", "mid, redo the window")
 
 
-def resume_plans(lib: str, config: dict, micro_batches: list[int], window: int, after: int,
-                 root: str) -> dict:  # fmt: skip
+def resume_plans(
+    lib: str, config: dict, micro_batches: list[int], window: int, after: int, root: str
+) -> dict:
     """:func:`resume` for the three plans of lesson 08, saving in ``window``: ``boundary``
     (save right after the previous window's update, continue from there), ``mid, continue``
     (save after ``after`` backward() calls of the window, continue with the next one) and
@@ -58,9 +64,12 @@ def resume_plans(lib: str, config: dict, micro_batches: list[int], window: int, 
     at = save_points(managed, micro_batches, window, after)
     plans = {"boundary": (at["boundary"], at["boundary"]), "mid, continue": (at["mid"], at["mid"]),
              "mid, redo the window": (at["mid"], at["window_start"])}  # fmt: skip
-    return {plan: resume(lib, config, micro_batches, save, restart,
-                         os.path.join(root, f"{lib}-{managed}-{plan}"))
-            for plan, (save, restart) in plans.items()}  # fmt: skip
+    return {
+        plan: resume(
+            lib, config, micro_batches, save, restart, os.path.join(root, f"{lib}-{managed}-{plan}")
+        )
+        for plan, (save, restart) in plans.items()
+    }
 
 
 def resume_rows(rows: dict) -> list[dict]:
@@ -70,8 +79,15 @@ def resume_rows(rows: dict) -> list[dict]:
     def counts(d):
         return f"{d['global_steps']}, {d['global_samples']}, {d['micro_steps']}"
 
-    return [{"mode": "managed" if managed else "unmanaged", "plan": plan,
-             "|Δ| vs uninterrupted": f"{r['diff_vs_uninterrupted']:.2e}",
-             "after load (steps, samples, micro_steps)": counts(r["after_load"]),
-             "final": counts(r["final"]), "uninterrupted": counts(r["reference"])}
-            for managed, by_lib in rows.items() for plan, r in by_lib["deepspeed"].items()]  # fmt: skip
+    return [
+        {
+            "mode": "managed" if managed else "unmanaged",
+            "plan": plan,
+            "|Δ| vs uninterrupted": f"{r['diff_vs_uninterrupted']:.2e}",
+            "after load (steps, samples, micro_steps)": counts(r["after_load"]),
+            "final": counts(r["final"]),
+            "uninterrupted": counts(r["reference"]),
+        }
+        for managed, by_lib in rows.items()
+        for plan, r in by_lib["deepspeed"].items()
+    ]

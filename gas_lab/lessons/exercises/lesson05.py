@@ -228,10 +228,15 @@ def check_traffic_predictions(fn: Callable[[], dict], cluster) -> Verdict:
     run of :data:`TRAFFIC`, every kind of collective with its calls and bytes (the full buffer
     of each call, as ``count_collectives`` counts it), summed over the run, on one rank."""
     return traffic.check_traffic_predictions(
-        fn, cluster, "lesson05", TRAFFIC, _measure_traffic, _traffic_fix,
+        fn,
+        cluster,
+        "lesson05",
+        TRAFFIC,
+        _measure_traffic,
+        _traffic_fix,
         "per optimizer step: the gradient reduction (an all-reduce of the real elements, or a "
         "reduce-scatter of the padded vector), a 4-byte norm all-reduce when clipping (and at "
         "stage 1 always), and at stage 1 an all-gather of the padded weights.",
         where="*When each call communicates: the timeline* and *What DeepSpeed 0.19.8's stage 1 "
         "sends, and where it divides*",
-    )  # fmt: skip
+    )

@@ -36,8 +36,13 @@ TRAFFIC = {
 def _config(t: Traffic) -> dict:
     from gas_lab.measure.stages import config
 
-    return config(t.stage, t.managed, gas=t.micro_batches, zero_optimization=dict(t.zero),
-                  gradient_clipping=t.clipping)  # fmt: skip
+    return config(
+        t.stage,
+        t.managed,
+        gas=t.micro_batches,
+        zero_optimization=dict(t.zero),
+        gradient_clipping=t.clipping,
+    )
 
 
 def _measure_traffic(t: Traffic) -> dict[str, tuple[int, int]]:
@@ -89,11 +94,16 @@ def check_traffic_predictions(fn: Callable[[], dict], cluster) -> Verdict:
     """Exercise 1: ``fn()`` -> ``{"A": {"all_reduce": (calls, bytes), ...}, ...}`` for each run
     of :data:`TRAFFIC`: one steady optimizer step, on one rank."""
     return traffic.check_traffic_predictions(
-        fn, cluster, "lesson09", TRAFFIC, _measure_traffic, _traffic_fix,
+        fn,
+        cluster,
+        "lesson09",
+        TRAFFIC,
+        _measure_traffic,
+        _traffic_fix,
         "a fixed part per step (the norm, the all-gathers) plus the gradient once per "
         "backward() at stages 2/3; then what each run changes.",
         where="section 7 (*Bytes per optimizer step against N, stages 0 to 3*)",
-    )  # fmt: skip
+    )
 
 
 # ---------------------------------------------------------------- exercise 2: the sum's weight
@@ -119,8 +129,14 @@ def _train_with_weight(case: str, weight: Callable) -> tuple:
     micro_batches = SUM_CASES[case]
     # SGD: Adam would hide a gradient W times too large (its update barely depends on scale)
     sgd = {"type": "SGD", "params": {"lr": 0.1}}
-    cfg = config(2, managed=False, gradient_allreduce_op="sum", gradient_clipping=0.0,
-                 optimizer=sgd, zero_allow_untested_optimizer=True)  # fmt: skip
+    cfg = config(
+        2,
+        managed=False,
+        gradient_allreduce_op="sum",
+        gradient_clipping=0.0,
+        optimizer=sgd,
+        zero_allow_untested_optimizer=True,
+    )
     engine, _ = equal_n_train(initialize, cfg, 2, micro_batches, weight=weight)
     return flat_params(engine.module), reference_params(cfg, 2, micro_batches)
 

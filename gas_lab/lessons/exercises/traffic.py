@@ -79,8 +79,16 @@ def judge(t: Traffic, world: int, got, want, fix: Fix) -> Miss | None:
     return Miss(traffic_differences(got, want) + ".", fix(t, world, got, want))
 
 
-def check_traffic_predictions(fn: Callable[[], dict], cluster, lesson: str, runs: dict,
-                              measure: Measure, fix: Fix, summary: str, where: str) -> Verdict:  # fmt: skip
+def check_traffic_predictions(
+    fn: Callable[[], dict],
+    cluster,
+    lesson: str,
+    runs: dict,
+    measure: Measure,
+    fix: Fix,
+    summary: str,
+    where: str,
+) -> Verdict:
     """``fn()`` returns ``{"A": {"all_reduce": (calls, bytes), ...}, ...}``, per run of
     ``runs``: every kind of collective with its calls and bytes (the full buffer of each call,
     as ``count_collectives`` counts it), on one rank."""
