@@ -158,18 +158,8 @@ class Engine(ManagedEngine):
     """:class:`ManagedEngine`, or with ``managed=False`` unmanaged accumulation (lesson 04);
     and a strategy that reduces during every backward (ZeRO-2, lesson 09) hears of its end."""
 
-    def __init__(
-        self,
-        module,
-        optimizer,
-        gas: int,
-        micro_batch_size: int,
-        managed=True,
-        group=None,
-        strategy=AllReduce,
-        max_norm: float = 0.0,
-    ):
-        super().__init__(module, optimizer, gas, micro_batch_size, group, strategy, max_norm)
+    def __init__(self, module, optimizer, gas: int, micro_batch_size: int, managed=True, **kw):
+        super().__init__(module, optimizer, gas, micro_batch_size, **kw)  # group, strategy, ...
         self.managed = managed
         self.backward_calls = 0  # since the last update: unmanaged, what global_samples counts
         self.inside_step = False  # unmanaged, the boundary is "inside step()"

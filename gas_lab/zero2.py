@@ -31,15 +31,14 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from gas_lab.dp import clip_by_norm, global_norm
-from gas_lab.zero1 import flat_groups, gather_weights
+from gas_lab.zero1 import ShardedUpdate
 
 
-class PartitionedGradientUpdate:
+class PartitionedGradientUpdate(ShardedUpdate):
     """ZeRO-2 as the engine's strategy (:class:`gas_lab.engine.Engine`): reduces from gradient
     hooks during every backward() (the engine calls :meth:`after_backward` at its end), has
-    nothing left to do at the boundary (:meth:`reduce_gradients`), then :meth:`update` as at
-    ZeRO-1.
+    nothing left to do at the boundary (:meth:`reduce_gradients`), then ZeRO-1's
+    :meth:`~gas_lab.zero1.ShardedUpdate.update`, unchanged.
 
     ``bucket_size``: elements per bucket (DeepSpeed's ``reduce_bucket_size``). fp32 only.
     Frozen and empty parameters are left out; a parameter without a gradient on this rank is
@@ -50,12 +49,8 @@ class PartitionedGradientUpdate:
     def __init__(
         self, params, optimizer, group=None, max_norm: float = 0.0, bucket_size: int = 500_000_000
     ):
-        self.group, self.max_norm = group, max_norm
-        self.world_size = dist.get_world_size(group) if group is not None else 1
-        self.rank = dist.get_rank(group) if group is not None else 0
+        super().__init__(params, optimizer, group, max_norm)  # ZeRO-1's flat groups and shards
         self.bucket_size = bucket_size
-        self.groups = flat_groups(params, optimizer, self.world_size, self.rank)
-        self.optimizer = optimizer
         # This rank's partition of the accumulated, rank-averaged gradient: all it keeps
         # (allocated by the first reduction after an update, freed by the update).
         self.accumulated: list[torch.Tensor] | None = None
@@ -120,16 +115,6 @@ class PartitionedGradientUpdate:
     def reduce_gradients(self) -> None:
         """Nothing left: every backward() reduced its gradients."""
 
-    def update(self) -> bool:
-        """Global norm, clip, step this rank's partition, all-gather the weights."""
-        shards = self.gradient_shards()
-        if self.max_norm > 0:
-            clip_by_norm(shards, global_norm(shards, self.group), self.max_norm)
-        self.optimizer.step()
-        self.clear()
-        gather_weights(self.groups, self.group)
-        return True
-
     def gradient_shards(self) -> list[torch.Tensor]:
         """The accumulated partitions, as the master shards' gradients."""
         if self.accumulated is None:  # no backward() since the last update: zero gradients
@@ -139,9 +124,7 @@ class PartitionedGradientUpdate:
         return self.accumulated
 
     def clear(self) -> None:
-        for g in self.groups:
-            g.master.grad = None
-            g.clear_grads()
+        super().clear()
         self.accumulated = None
 
 

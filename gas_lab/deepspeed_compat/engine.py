@@ -59,9 +59,9 @@ class DeepSpeedEngine(Engine):
             config.gradient_accumulation_steps,
             config.train_micro_batch_size_per_gpu,
             config.managed_gradient_accumulation,
-            group,
-            functools.partial(strategy, config=config),
-            config.gradient_clipping,
+            group=group,
+            strategy=functools.partial(strategy, config=config),
+            max_norm=config.gradient_clipping,
         )
         self._config = config
         self.precision = precision.route(config)  # where a bf16 run rounds (lesson 08)

@@ -25,7 +25,31 @@ from gas_lab.zero1 import ShardedUpdate, _FlatGroup, gather_weights
 from gas_lab.zero2 import PartitionedGradientUpdate
 
 
-class Zero1(ShardedUpdate):
+class DeepSpeedUpdate:
+    """The update of DeepSpeed's ZeRO optimizers, for :class:`Zero1` and :class:`Zero2`: the
+    global norm (``norm_for_update``; None: not computed), reported (``last_norm``); an inf/nan
+    norm skips the update (``skip_nonfinite``); then clip (``clip``), step and all-gather."""
+
+    last_norm: float | None = None  # the global gradient norm of the last update
+    skip_nonfinite = True
+
+    def update(self) -> bool:
+        shards = self.gradient_shards()
+        norm = self.norm_for_update(shards)
+        if norm is not None:
+            self.last_norm = norm.item()
+            if self.skip_nonfinite and not torch.isfinite(norm):
+                self.clear()  # an inf/nan gradient: skip the update, weights untouched
+                return False
+            if self.max_norm > 0:
+                self.clip(shards, norm)
+        self.optimizer.step()
+        self.clear()
+        gather_weights(self.groups, self.group)
+        return True
+
+
+class Zero1(DeepSpeedUpdate, ShardedUpdate):
     """:class:`~gas_lab.zero1.ShardedUpdate` given DeepSpeed's ``plan`` (which replaces
     ``reduce``) and ``precision``; ``average`` False sums over ranks instead (lesson 08).
     Without a plan: lesson 05's ``reduce``, in the precision's communication dtype."""
@@ -47,7 +71,6 @@ class Zero1(ShardedUpdate):
         for g, original in zip(self.groups, originals, strict=True):
             set_walk(g, original)
         self.plan, self.precision, self.average = plan, precision, average
-        self.last_norm: float | None = None  # the global gradient norm of the last update
         self.comm_dtype = precision.communicate if precision is not None else None
         # A non-finite norm skips the update (DeepSpeed's ZeRO; its bf16 may check nothing).
         self.skip_nonfinite = precision.skip_nonfinite if precision is not None else True
@@ -99,22 +122,15 @@ class Zero1(ShardedUpdate):
             shard.div_(self.world_size)
         return shard.to(local.dtype)
 
-    def update(self) -> bool:
-        shards = self.gradient_shards()
+    def norm_for_update(self, shards: list[torch.Tensor]) -> torch.Tensor | None:
         # The norm at every update, clipping or not, as DeepSpeed (one 4-byte all-reduce);
         # only its plan's compute_grad_norm false, with clipping off, skips it.
         if self.plan is None or self.plan.compute_norm:
-            norm = global_norm(shards, self.group)
-            self.last_norm = norm.item()
-            if self.skip_nonfinite and not torch.isfinite(norm):
-                self.clear()  # an inf/nan gradient: skip the update, weights untouched
-                return False
-            if self.max_norm > 0:
-                clip_by_norm(shards, norm, self.max_norm)
-        self.optimizer.step()
-        self.clear()
-        gather_weights(self.groups, self.group)
-        return True
+            return global_norm(shards, self.group)
+        return None
+
+    def clip(self, shards: list[torch.Tensor], norm: torch.Tensor) -> None:
+        clip_by_norm(shards, norm, self.max_norm)
 
     def clear(self) -> None:
         super().clear()
@@ -155,7 +171,7 @@ def arranged_group(params: list, world_size: int, rank: int, order=None) -> _Fla
     return g
 
 
-class Zero2(PartitionedGradientUpdate):
+class Zero2(DeepSpeedUpdate, PartitionedGradientUpdate):
     """:class:`~gas_lab.zero2.PartitionedGradientUpdate` as DeepSpeed runs it: ``average``
     False sums over ranks; ``coalesce_grad_reduction()`` keeps gradients local
     (:meth:`defer_reduction`); the norm per piece in float64 and the clip factor rounded as
@@ -173,7 +189,6 @@ class Zero2(PartitionedGradientUpdate):
         super().__init__(params, optimizer, group, max_norm, bucket_size)
         self.average = average
         self.deferred = False  # inside coalesce_grad_reduction(): gradients stay local
-        self.last_norm: float | None = None
 
     def gradient_ready(self, param) -> None:
         if not self.deferred:
@@ -226,19 +241,11 @@ class Zero2(PartitionedGradientUpdate):
             self.add_to_bucket(p)
         self.reduce_bucket()
 
-    def update(self) -> bool:
-        shards = self.gradient_shards()
-        norm = self.global_norm()
-        self.last_norm = norm.item()
-        if not torch.isfinite(norm):  # DeepSpeed's ZeRO skips an fp32 update on inf/nan too
-            self.clear()
-            return False
-        if self.max_norm > 0:
-            clip_by_reciprocal(shards, norm, self.max_norm)
-        self.optimizer.step()
-        self.clear()
-        gather_weights(self.groups, self.group)
-        return True
+    def norm_for_update(self, shards: list[torch.Tensor]) -> torch.Tensor:
+        return self.global_norm()
+
+    def clip(self, shards: list[torch.Tensor], norm: torch.Tensor) -> None:
+        clip_by_reciprocal(shards, norm, self.max_norm)
 
     def global_norm(self) -> torch.Tensor:
         """Per group: the squared float64 norms of this rank's pieces, summed in float32 over
