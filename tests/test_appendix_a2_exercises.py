@@ -10,11 +10,11 @@ from exercise_support import (
     assert_todo,
     first_try,
     load_solutions,
+    reset_tries,
     todo,
 )
 
 from gas_lab.lessons.exercises.appendix_a2 import check_optimizer_gradient, reference
-from gas_lab.lessons.exercises.verdict import reset_tries
 
 SOL = load_solutions("appendix_a2")
 DEFAULT = "accumulate bf16, all-reduce bf16 (the default), N = 16"

@@ -32,12 +32,6 @@ _FAILED_TRIES: dict[tuple[str, str], int] = {}
 _LAST_FAILED: list[Verdict] = []  # the latest failed verdict, for hint()
 
 
-def reset_tries() -> None:
-    """Forget every wrong try (tests start each case from a first try)."""
-    _FAILED_TRIES.clear()
-    _LAST_FAILED.clear()
-
-
 def hint() -> str:
     """The hint for the latest failed check (each lesson's checker module re-exports this:
     ``lesson03.hint()``)."""
