@@ -14,8 +14,9 @@ optimizer step keeps the copies identical.
 Taught in lesson 02 (``tutorials/02_ddp.ipynb``). The pieces every data-parallel loop of the
 course shares live here too: the process group (:func:`init_from_env`, :func:`default_group`),
 :func:`broadcast_parameters`, :func:`all_reduce_mean`, :func:`global_count` (a count over all
-ranks, lesson 04) and clipping by the global norm (:func:`clip_by_norm`). Stage 0's update at
-the boundary, built from them, is :class:`gas_lab.engine.AllReduce`.
+ranks, lesson 04) and clipping by the norm of the whole gradient (:func:`global_norm`,
+:func:`clip_by_norm`). Stage 0's update at the boundary, built from them, is
+:class:`gas_lab.engine.AllReduce`.
 """
 
 from __future__ import annotations
@@ -111,24 +112,11 @@ def all_reduce_mean(tensors: list[torch.Tensor], group=None) -> None:
     Flattening into one buffer sends one message instead of one per tensor: on a real network
     each message pays a fixed latency, so fewer, larger messages are cheaper.
     """
-    all_reduce_gradients(tensors, group)
-
-
-def all_reduce_gradients(
-    tensors: list[torch.Tensor], group=None, average: bool = True, comm_dtype=None
-) -> None:
-    """:func:`all_reduce_mean`, with DeepSpeed's two knobs (lesson 08): ``average=False`` is
-    ``"gradient_allreduce_op": "sum"`` (no division by the world size), and ``comm_dtype``
-    (``communication_data_type``) the dtype the buffer travels in; the result is rounded back
-    into the tensors' own dtype."""
     if group is None or not tensors:
         return
     flat = torch.cat([t.reshape(-1) for t in tensors])
-    if comm_dtype is not None and comm_dtype != flat.dtype:
-        flat = flat.to(comm_dtype)
     dist.all_reduce(flat, group=group)  # sum over ranks ...
-    if average:
-        flat.mul_(1.0 / dist.get_world_size(group))  # ... then divide: the mean (as DeepSpeed)
+    flat.mul_(1.0 / dist.get_world_size(group))  # ... then divide: the mean
     offset = 0
     for t in tensors:
         t.copy_(flat[offset : offset + t.numel()].view_as(t))
@@ -216,43 +204,26 @@ def global_count(local: int | float, group=None) -> float:
     return total.item()
 
 
-def replicated_grad_norm(grads: list[torch.Tensor], group=None) -> torch.Tensor:
-    """The L2 norm of a gradient every rank holds whole (stage 0, after the reduction).
+def global_norm(grads: list[torch.Tensor], group=None) -> torch.Tensor:
+    """The L2 norm of the whole gradient; with ``group``, each rank holds only a part of it
+    (ZeRO's shards, lesson 05), and the parts' squared norms are summed over ranks.
 
-    The norm is the same on every rank already. DeepSpeed still averages it over ranks with a
-    (4-byte) all-reduce, because with expert-parallel layers the ranks' norms differ; gas_lab
-    does the same, so the collective counts match DeepSpeed's. (ZeRO-1's shards need the sum
-    of squares over ranks instead: :func:`gas_lab.zero1.global_norm`.)
+    Norms do not add, squares do: sum the squared norms, then take the root. (The root of a
+    local part alone would be this rank's part, smaller than the true norm.)
     """
-    norm = torch.stack([g.detach().float().norm(2) for g in grads]).pow(2).sum().pow(0.5)
+    device = grads[0].device if grads else None
+    squares = torch.zeros((), dtype=torch.float32, device=device)
+    for g in grads:
+        squares = squares + g.detach().float().pow(2).sum()
     if group is not None:
-        norm = norm / float(dist.get_world_size(group))
-        dist.all_reduce(norm, group=group)
-    return norm
+        dist.all_reduce(squares, group=group)  # 4 bytes: sum over ranks
+    return squares.sqrt()
 
 
-def clip_by_norm(
-    grads: list[torch.Tensor], norm: torch.Tensor | float, max_norm: float, reciprocal: bool = False
-) -> None:
+def clip_by_norm(grads: list[torch.Tensor], norm: torch.Tensor, max_norm: float) -> None:
     """Clipping, the one function every stage uses: scale ``grads`` in place by
     ``min(1, max_norm / (norm + 1e-6))``, where ``norm`` is the norm of the *whole* gradient
-    (torch's and DeepSpeed's formula). Clipping sees the accumulated gradient, once per step.
-
-    A Python float ``norm`` is DeepSpeed's bf16 stage-0 path (``FP16_UnfusedOptimizer``, lesson
-    08), which computes the factor in float64 as ``1 / ((norm + 1e-6) / max_norm)``: the same
-    formula, rounded the way that path rounds it. ``reciprocal=True`` rounds a tensor ``norm``
-    the way DeepSpeed's ZeRO-2 optimizer does, ``1 / max(1, (norm + 1e-6) / max_norm)`` in
-    float32 (lesson 09 matches it bit for bit).
-    """
-    if isinstance(norm, float):
-        scale = (norm + 1e-6) / max_norm
-        if scale > 1:
-            for g in grads:
-                g.mul_(1.0 / scale)
-        return
-    if reciprocal:
-        coef = 1.0 / torch.clamp((norm + 1e-6) / max_norm, min=1.0)
-    else:
-        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    (torch's and DeepSpeed's formula). Clipping sees the accumulated gradient, once per step."""
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     for g in grads:
         g.mul_(coef.to(g.dtype))

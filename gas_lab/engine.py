@@ -5,14 +5,16 @@ boundary** is, the micro-batch after which the gradients are reduced over ranks 
 change. *How* they are reduced and updated is a strategy's: :class:`AllReduce` below (ZeRO stage
 0), :class:`gas_lab.zero1.ShardedUpdate` (lesson 05), :class:`gas_lab.zero2.PartitionedGradientUpdate`.
 
-* **managed** (lesson 03): ``step()`` counts its calls in ``micro_steps``; the boundary is the
-  call for which :func:`is_boundary` holds. Its ``backward()`` reduces (unless inside
-  ``no_sync()``) and its ``step()`` updates; every other ``step()`` only counts.
-* **unmanaged** (lesson 04): every ``step()`` is the boundary: it reduces what the ``backward()``
-  calls since the last one accumulated, then updates once, however many there were.
+* **managed** (lesson 03, :class:`ManagedEngine`): ``step()`` counts its calls in
+  ``micro_steps``; the boundary is the call for which :func:`is_boundary` holds. Its
+  ``backward()`` reduces (unless inside ``no_sync()``) and its ``step()`` updates; every other
+  ``step()`` only counts.
+* **unmanaged** (lesson 04, :class:`Engine` adds it): every ``step()`` is the boundary: it
+  reduces what the ``backward()`` calls since the last one accumulated, then updates once,
+  however many there were.
 
 The idea alone: :func:`gas_lab.initialize` returns
-:class:`~gas_lab.deepspeed_compat.engine.DeepSpeedEngine`, this class plus what DeepSpeed does
+:class:`~gas_lab.deepspeed_compat.engine.DeepSpeedEngine`, :class:`Engine` plus what DeepSpeed does
 around it (config, refusals, precision, schedules, checkpoints).
 """
 
@@ -23,7 +25,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from gas_lab.dp import all_reduce_mean, broadcast_parameters, clip_by_norm, replicated_grad_norm
+from gas_lab.dp import all_reduce_mean, broadcast_parameters, clip_by_norm, global_norm
 
 
 def is_boundary(micro_steps: int, gas: int) -> bool:
@@ -60,36 +62,47 @@ class AllReduce:
         """Clip by the global norm, step, clear the gradients; True: the weights changed."""
         grads = [p.grad for p in self.params if p.grad is not None]
         if self.max_norm > 0 and grads:
-            clip_by_norm(grads, replicated_grad_norm(grads, self.group), self.max_norm)
+            clip_by_norm(grads, self.grad_norm(grads), self.max_norm)
         self.optimizer.step()
         for p in self.params:
             p.grad = None  # the next window accumulates from zero
         return True
 
+    def grad_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """Every rank holds the whole averaged gradient: its norm needs no collective."""
+        return global_norm(grads)
 
-class Engine(torch.nn.Module):
-    """Wraps a module; counts micro-steps; at the boundary, the strategy reduces the gradients
-    over ranks (``reduce_gradients()``), then updates the weights (``update()``).
+
+class ManagedEngine(torch.nn.Module):
+    """Managed accumulation (lesson 03): wraps a module, counts micro-steps; at the boundary,
+    the strategy reduces the gradients over ranks (``reduce_gradients()``), then updates the
+    weights (``update()``).
 
     ``strategy(params, optimizer, group, max_norm)`` builds it (:class:`AllReduce`, or ZeRO's);
     ``group`` is the data-parallel process group (None: one process, no collectives).
     """
 
-    def __init__(self, module, optimizer, gas: int, micro_batch_size: int, managed=True,
-                 group=None, strategy=AllReduce, max_norm: float = 0.0):  # fmt: skip
+    def __init__(
+        self,
+        module,
+        optimizer,
+        gas: int,
+        micro_batch_size: int,
+        group=None,
+        strategy=AllReduce,
+        max_norm: float = 0.0,
+    ):
         super().__init__()
         broadcast_parameters(module, group)  # every rank starts from rank 0's weights
         self.module, self.group = module, group
         self.strategy = strategy(list(module.parameters()), optimizer, group, max_norm)
         self.optimizer = self.strategy.optimizer  # ZeRO re-points it at this rank's shard
-        self.gas, self.micro_batch_size, self.managed = gas, micro_batch_size, managed
+        self.gas, self.micro_batch_size = gas, micro_batch_size
         self.world_size = dist.get_world_size(group) if group is not None else 1
         self.micro_steps = 0  # step() calls so far, boundary or not
         self.global_steps = 0  # updates so far
         self.global_samples = 0  # samples (all ranks) consumed by those updates
-        self.backward_calls = 0  # since the last update: unmanaged, what global_samples counts
         self.inside_no_sync_ctxt = False  # inside no_sync(): backward() does not reduce
-        self.inside_step = False  # unmanaged, the boundary is "inside step()"
 
     def forward(self, *inputs, **kwargs):
         return self.module(*inputs, **kwargs)
@@ -101,46 +114,34 @@ class Engine(torch.nn.Module):
             # GAS micro-batch means into the mean over the window.
             loss = loss / self.gas
         loss.backward(retain_graph=retain_graph)
-        self.backward_calls += 1
         self.after_backward()
         return loss
 
     def after_backward(self) -> None:
-        """The end of a backward pass. Managed, the boundary micro-batch reduces now (not
-        inside ``no_sync()``); unmanaged, no ``backward()`` is a boundary, so at stages 0 and 1
-        the gradients stay local until ``step()`` (ZeRO-2's strategy reduces here anyway)."""
-        self.strategy.after_backward()  # ZeRO-2 reduces its last bucket (lesson 09)
+        """The end of a backward pass: the boundary micro-batch reduces now (not inside
+        ``no_sync()``)."""
         if self.is_gradient_accumulation_boundary() and not self.inside_no_sync_ctxt:
             self.strategy.reduce_gradients()
 
     def step(self) -> None:
-        """Managed: update at the boundary only. Unmanaged: reduce, then update, every call."""
-        self.inside_step = True
-        if not self.managed:
-            self.strategy.reduce_gradients()
+        """Update at the boundary only; every call counts."""
         if self.is_gradient_accumulation_boundary():
             self.update()
-        self.inside_step = False
-        self.micro_steps += 1  # every call counts, boundary or not
+        self.micro_steps += 1
 
     def update(self) -> bool:
         """The boundary's update, and the counters; they advance even when the strategy
         skipped it (a non-finite gradient norm), as DeepSpeed's do. True: the weights changed."""
         applied = self.strategy.update()
         self.global_steps += 1
-        if self.managed:
-            self.global_samples += self.gas * self.micro_batch_size * self.world_size
-        else:  # the caller chose how many micro-batches went into this update
-            self.global_samples += samples_run(
-                self.backward_calls, self.micro_batch_size, self.world_size
-            )
-        self.backward_calls = 0
+        self.global_samples += self.samples_per_update()
         return applied
 
+    def samples_per_update(self) -> int:
+        return self.gas * self.micro_batch_size * self.world_size
+
     def is_gradient_accumulation_boundary(self) -> bool:
-        """Managed: the counter decides (:func:`is_boundary`). Unmanaged: only ``step()`` is."""
-        if not self.managed:
-            return self.inside_step
+        """The counter decides (:func:`is_boundary`)."""
         return is_boundary(self.micro_steps, self.gas)
 
     @contextlib.contextmanager
@@ -151,3 +152,50 @@ class Engine(torch.nn.Module):
             yield
         finally:
             self.inside_no_sync_ctxt = False
+
+
+class Engine(ManagedEngine):
+    """:class:`ManagedEngine`, or with ``managed=False`` unmanaged accumulation (lesson 04);
+    and a strategy that reduces during every backward (ZeRO-2, lesson 09) hears of its end."""
+
+    def __init__(self, module, optimizer, gas: int, micro_batch_size: int, managed=True, **kw):
+        super().__init__(module, optimizer, gas, micro_batch_size, **kw)  # group, strategy, ...
+        self.managed = managed
+        self.backward_calls = 0  # since the last update: unmanaged, what global_samples counts
+        self.inside_step = False  # unmanaged, the boundary is "inside step()"
+
+    def backward(self, loss, retain_graph=False, scale_wrt_gas=True):
+        loss = super().backward(loss, retain_graph, scale_wrt_gas)
+        self.backward_calls += 1
+        return loss
+
+    def after_backward(self) -> None:
+        self.strategy.after_backward()  # ZeRO-2 reduces its last bucket (lesson 09)
+        super().after_backward()  # unmanaged, no backward() is a boundary: nothing reduces
+
+    def step(self) -> None:
+        """Unmanaged: every call is the boundary: reduce what the ``backward()`` calls since
+        the last update accumulated, then update."""
+        if self.managed:
+            return super().step()
+        self.inside_step = True
+        self.strategy.reduce_gradients()
+        super().step()
+        self.inside_step = False
+
+    def samples_per_update(self) -> int:
+        if self.managed:
+            return super().samples_per_update()
+        # The caller chose how many micro-batches went into this update.
+        return samples_run(self.backward_calls, self.micro_batch_size, self.world_size)
+
+    def update(self) -> bool:
+        applied = super().update()
+        self.backward_calls = 0
+        return applied
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """Managed: the counter decides (:func:`is_boundary`). Unmanaged: only ``step()`` is."""
+        if not self.managed:
+            return self.inside_step
+        return super().is_gradient_accumulation_boundary()

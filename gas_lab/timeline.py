@@ -8,7 +8,7 @@ rank). Managed mode needs equal counts (``gradient_accumulation_steps``); stage 
 every backward() reduces there (different counts are refused, not run into a hang). Open the
 file at https://ui.perfetto.dev (Open trace file) or in chrome://tracing: one process per
 rank, each collective nested under the engine call that issued it. The recording and the
-format: :mod:`gas_lab.measure.timeline`.
+format: :mod:`gas_lab.measure.recording`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ import os
 import sys
 from pathlib import Path
 
-from gas_lab.measure import timeline as tl
+from gas_lab.measure import chrome_trace as ct
+from gas_lab.measure import recording as tl
 
 
 class _Parser(argparse.ArgumentParser):
@@ -120,7 +121,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     everyone = tl.gather(events)
     if dist.get_rank() == 0:
-        trace = tl.chrome_trace(
+        trace = ct.chrome_trace(
             everyone,
             library=args.library,
             stage=args.stage,
@@ -129,7 +130,7 @@ def main(argv: list[str] | None = None) -> None:
             steps=args.steps,
             gradient_clipping=args.gradient_clipping,
         )
-        problems = tl.validate_trace(trace)  # the format this command promises, checked
+        problems = ct.validate_trace(trace)  # the format this command promises, checked
         if problems:
             print(f"gas_lab.timeline: invalid trace: {problems[0]}", file=sys.stderr)
             sys.exit(1)

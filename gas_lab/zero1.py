@@ -15,7 +15,7 @@ At the accumulation boundary (``gas_lab.engine`` decides when; this module decid
    half of that; with the all-gather below, reduce-scatter makes ZeRO-1 cost what DDP costs.
 2. **clip** by the global norm. A rank holds one shard, so the norm is the square root of the
    *sum over ranks* of each shard's squared norm: one 4-byte all-reduce, at every update
-   (DeepSpeed computes it even when clipping is off, and reports it).
+   (only when clipping; DeepSpeed computes it at every update, and reports it).
 3. **step** the wrapped optimizer (SGD, Adam, AdamW: any element-wise one) on the shard.
 4. **all-gather** the shards into the flat buffer. The model's parameters are views into that
    buffer, so the all-gather writes the new weights straight into the model.
@@ -23,10 +23,8 @@ At the accumulation boundary (``gas_lab.engine`` decides when; this module decid
 Between the boundary's reduction and the update a parameter's gradient exists only as shards
 (``param.grad`` is None).
 
-Taught in lesson 05 (``tutorials/05_zero1.ipynb``). What DeepSpeed adds is given to
-:class:`ShardedUpdate`, not decided in it (:mod:`gas_lab.deepspeed_compat.strategies`): its
-bucket ``plan`` (:class:`gas_lab.deepspeed_compat.buckets.Zero1Plan`) and its ``precision``
-(bf16 weights with fp32 master shards, bf16 or fp32 accumulation: lesson 08).
+Taught in lesson 05 (``tutorials/05_zero1.ipynb``). DeepSpeed's buckets, dtypes and
+bookkeeping are added on top, in :mod:`gas_lab.deepspeed_compat.zero`.
 """
 
 from __future__ import annotations
@@ -36,7 +34,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from gas_lab.dp import all_reduce_gradients, clip_by_norm
+from gas_lab.dp import all_reduce_mean, clip_by_norm, global_norm
 
 # Shard sizes are a multiple of this many elements, as in DeepSpeed (4 bytes of fp16), so
 # every shard starts aligned; the flat vector is padded with zeros up to W x that multiple.
@@ -97,20 +95,12 @@ class _FlatGroup:
     """One optimizer param group, flattened: the model's weights become views into ``flat``;
     ``master`` is this rank's shard, the only tensor the optimizer sees."""
 
-    def __init__(self, params: list[torch.nn.Parameter], world_size: int, rank: int,
-                 order=None):  # fmt: skip
+    def __init__(self, params: list[torch.nn.Parameter], world_size: int, rank: int):
         dtypes = {p.dtype for p in params}
         if len(dtypes) > 1:
             raise TypeError(f"one param group, one dtype; got {sorted(map(str, dtypes))}")
-        # order(numels, world_size): another order in the flat vector (DeepSpeed's round robin)
-        numels = [p.numel() for p in params]
-        order = list(range(len(params))) if order is None else order(numels, world_size)
-        self.params = [params[i] for i in order]
-        self.layout = Layout.of([p.numel() for p in self.params], world_size)
-        # (offset, numel) of each parameter in the flat vector, in the group's own order: the
-        # order gradients are bucketed in (DeepSpeed's buckets: Zero1Plan).
-        offsets = dict(zip(order, self.layout.offsets, strict=True))
-        self.walk = [(offsets[i], params[i].numel()) for i in range(len(params))]
+        self.params = params
+        self.layout = Layout.of([p.numel() for p in params], world_size)
         self.start, self.end = self.layout.shard(rank)
         self.flat = torch.zeros(
             self.layout.padded_numel, dtype=params[0].dtype, device=params[0].device
@@ -119,8 +109,8 @@ class _FlatGroup:
             view = self.flat[offset : offset + p.numel()]
             view.copy_(p.detach().reshape(-1))
             p.data = view.view_as(p)  # the weights now live inside flat: no copy after gather
-        # A separate tensor, not a view of flat, as DeepSpeed's "fp32 partition": with bf16
-        # weights this is the fp32 master copy; the all-gather then reads it without aliasing.
+        # A separate fp32 tensor, not a view of flat (ZeRO's "fp32 partition"): the all-gather
+        # reads it without aliasing; with half-precision weights it is the master copy.
         self.master = self.flat[self.start : self.end].clone().to(torch.float32)
         self.grad_shard: torch.Tensor | None = None  # set by reduce, consumed by update
 
@@ -146,140 +136,95 @@ class ShardedUpdate:
 
     ``optimizer`` is a fresh torch optimizer over the model's parameters; its param groups are
     re-pointed at this rank's shards (DeepSpeed does the same), so ``optimizer.state`` holds
-    only this rank's share. ``reduce``: ``"all_reduce"`` or ``"reduce_scatter"`` (lesson 05);
-    ``average`` False sums over ranks instead (lesson 08). Frozen and empty parameters are left
-    out, as in DeepSpeed. A parameter without a gradient on this rank is reduced as zeros.
-
-    From :mod:`gas_lab.deepspeed_compat.strategies`: ``plan``, DeepSpeed's buckets, which replace
-    ``reduce`` (:class:`~gas_lab.deepspeed_compat.buckets.Zero1Plan`), and ``precision``, bf16
-    weights and the accumulation and communication dtypes
-    (:class:`~gas_lab.deepspeed_compat.precision.Precision`). Without them: fp32 ZeRO-1, from
-    scratch.
+    only this rank's share. ``reduce``: ``"all_reduce"`` or ``"reduce_scatter"`` (lesson 05).
+    Frozen and empty parameters are left out, as in DeepSpeed. A parameter without a gradient
+    on this rank is reduced as zeros.
     """
 
-    def __init__(self, params, optimizer, group=None, max_norm: float = 0.0,
-                 reduce: str = "all_reduce", average: bool = True, plan=None, precision=None):  # fmt: skip
+    def __init__(
+        self, params, optimizer, group=None, max_norm: float = 0.0, reduce: str = "all_reduce"
+    ):
         if reduce not in REDUCE_MODES:
             raise ValueError(f"reduce must be one of {REDUCE_MODES}, got {reduce!r}")
-        self.group, self.reduce, self.max_norm, self.average = group, reduce, max_norm, average
-        self.plan, self.precision = plan, precision
+        self.group, self.reduce, self.max_norm = group, reduce, max_norm
         self.world_size = dist.get_world_size(group) if group is not None else 1
         self.rank = dist.get_rank(group) if group is not None else 0
-        order = plan.order if plan is not None else None
-        self.groups = flat_groups(params, optimizer, self.world_size, self.rank, order)
+        self.groups = flat_groups(params, optimizer, self.world_size, self.rank)
         self.optimizer = optimizer
-        self.last_norm: float | None = None  # the global gradient norm of the last update
-        self.comm_dtype = precision.communicate if precision is not None else None
-        # A non-finite norm skips the update (DeepSpeed's ZeRO; its bf16 may check nothing).
-        self.skip_nonfinite = precision.skip_nonfinite if precision is not None else True
-        # bf16 + fp32 accumulation: every micro-batch's gradient goes into fp32 buffers.
-        mine = [p for g in self.groups for p in g.params]
-        self.buffers = precision.grad_buffers(mine) if precision is not None else None
-
-    def before_backward(self) -> None:
-        if self.buffers is not None:
-            self.buffers.before_backward()
 
     def after_backward(self) -> None:
-        if self.buffers is not None:
-            self.buffers.after_backward()
-
-    def _grads_of(self, g: _FlatGroup):
-        if self.buffers is None:
-            return None  # their .grad
-        index = {id(p): i for i, p in enumerate(self.buffers.params)}
-        return [self.buffers.buffers[index[id(p)]] for p in g.params]
+        """Nothing: ZeRO-1 reduces at the boundary only."""
 
     @property
     def master_shards(self) -> list[torch.Tensor]:
         return [g.master for g in self.groups]
 
+    def local_gradient(self, g: _FlatGroup) -> torch.Tensor:
+        """This rank's gradient of group ``g``, flat and padded."""
+        return g.local_gradient()
+
     def reduce_gradients(self) -> None:
         """Leave in each group's ``grad_shard`` the rank-averaged gradient of this rank's shard."""
-        locals_ = [g.local_gradient(self._grads_of(g)) for g in self.groups]
-        if self.plan is not None:  # DeepSpeed's buckets reduce every group at once
-            self.plan.reduce(locals_, self.groups, self.group, self.comm_dtype)
-        for g, local in zip(self.groups, locals_, strict=True):
-            if self.plan is not None:
-                shard = local[g.start : g.end]
-            elif self.reduce == "all_reduce":
-                # Send only the real elements (DeepSpeed's buffer), pad afterwards to cut shards.
-                real = local[: g.layout.numel].clone()
-                all_reduce_gradients([real], self.group, self.average, self.comm_dtype)
-                shard = torch.nn.functional.pad(real, (0, g.layout.padding))[g.start : g.end]
-            else:
-                shard = self._reduce_scatter(g, local)
-            # Reducing twice before an update (two boundaries) adds up, like .grad would.
-            g.grad_shard = shard.clone() if g.grad_shard is None else g.grad_shard + shard
-            g.clear_grads()
-        if self.buffers is not None:
-            self.buffers.clear()
+        for g in self.groups:
+            self.keep(g, self.reduce_shard(g, self.local_gradient(g)))
 
-    def _reduce_scatter(self, g: _FlatGroup, local: torch.Tensor) -> torch.Tensor:
+    def reduce_shard(self, g: _FlatGroup, local: torch.Tensor) -> torch.Tensor:
+        """The rank-averaged gradient of this rank's shard of ``g``."""
+        if self.reduce == "all_reduce":
+            # Send only the real elements; pad afterwards to cut shards.
+            real = local[: g.layout.numel].clone()
+            all_reduce_mean([real], self.group)
+            return torch.nn.functional.pad(real, (0, g.layout.padding))[g.start : g.end]
         if self.group is None:
             return local[g.start : g.end]
-        comm = self.comm_dtype or local.dtype
-        shard = torch.empty(g.layout.shard_size, dtype=comm, device=g.flat.device)
+        shard = torch.empty(g.layout.shard_size, dtype=local.dtype, device=local.device)
         with warnings.catch_warnings():  # torch 2.13 renamed it; the name works >= 2.4
             warnings.simplefilter("ignore", FutureWarning)
-            dist.reduce_scatter_tensor(shard, local.to(comm), group=self.group)
-        if self.average:  # reduce-scatter sums; the mean is what we step on
-            shard.div_(self.world_size)
-        return shard.to(local.dtype)
+            dist.reduce_scatter_tensor(shard, local, group=self.group)
+        return shard.div_(self.world_size)  # reduce-scatter sums; we step on the mean
+
+    def keep(self, g: _FlatGroup, shard: torch.Tensor) -> None:
+        # Reducing twice before an update (two boundaries) adds up, like .grad would.
+        g.grad_shard = shard.clone() if g.grad_shard is None else g.grad_shard + shard
+        g.clear_grads()
 
     def update(self) -> bool:
         """Clip by the global norm, step the optimizer on the shard, all-gather the weights."""
+        shards = self.gradient_shards()
+        if self.max_norm > 0:
+            clip_by_norm(shards, global_norm(shards, self.group), self.max_norm)
+        self.optimizer.step()
+        self.clear()
+        gather_weights(self.groups, self.group)
+        return True
+
+    def gradient_shards(self) -> list[torch.Tensor]:
+        """Each master shard's gradient: the reduced shard (in fp32, the master's dtype)."""
         for g in self.groups:
             if g.grad_shard is None:
                 # No reduction since the last update (e.g. every backward() was in no_sync()):
                 # as at stage 0, the optimizer steps on the local gradient.
-                g.grad_shard = g.local_gradient(self._grads_of(g))[g.start : g.end].clone()
-            g.master.grad = g.grad_shard.to(torch.float32)  # the master shard's dtype
-        shards = [g.master.grad for g in self.groups]
-        # The norm at every update, clipping or not, as DeepSpeed (one 4-byte all-reduce);
-        # only its plan's compute_grad_norm false, with clipping off, skips it.
-        if self.plan is None or self.plan.compute_norm:
-            norm = global_norm(shards, self.group)
-            self.last_norm = norm.item()
-            if self.skip_nonfinite and not torch.isfinite(norm):
-                self._clear()  # an inf/nan gradient: skip the update, weights untouched
-                return False
-            if self.max_norm > 0:
-                clip_by_norm(shards, norm, self.max_norm)
-        self.optimizer.step()
-        self._clear()
-        for g in self.groups:
-            shard = g.master.detach().to(g.flat.dtype)  # bf16 model: round the new weights
-            if self.group is None:
-                g.flat.copy_(shard)
-            else:
-                dist.all_gather_into_tensor(g.flat, shard, group=self.group)
-        return True
+                g.grad_shard = self.local_gradient(g)[g.start : g.end].clone()
+            g.master.grad = g.grad_shard.to(torch.float32)
+        return [g.master.grad for g in self.groups]
 
-    def _clear(self) -> None:
+    def clear(self) -> None:
         for g in self.groups:
             g.master.grad = g.grad_shard = None
             g.clear_grads()
-        if self.buffers is not None:
-            self.buffers.clear()
 
 
-def global_norm(shards: list[torch.Tensor], group=None) -> torch.Tensor:
-    """The L2 norm of the whole gradient when each rank holds only ``shards`` of it.
-
-    Norms do not add, squares do: sum the squared norms over ranks, then take the root. (The
-    root of a local norm alone would be this rank's part, smaller than the true norm.)
-    """
-    device = shards[0].device if shards else None
-    squares = torch.zeros((), dtype=torch.float32, device=device)
-    for s in shards:
-        squares = squares + s.detach().float().pow(2).sum()
-    if group is not None:
-        dist.all_reduce(squares, group=group)  # 4 bytes: sum over ranks
-    return squares.sqrt()
+def gather_weights(groups: list[_FlatGroup], group=None) -> None:
+    """Every rank's updated master shard into every rank's ``flat``: the model's weights."""
+    for g in groups:
+        shard = g.master.detach().to(g.flat.dtype)  # the weights' dtype
+        if group is None:
+            g.flat.copy_(shard)
+        else:
+            dist.all_gather_into_tensor(g.flat, shard, group=group)
 
 
-def flat_groups(params, optimizer, world_size: int, rank: int, order=None):
+def flat_groups(params, optimizer, world_size: int, rank: int) -> list[_FlatGroup]:
     """One :class:`_FlatGroup` per optimizer param group, whose fp32 master shard replaces the
     group's parameters in the optimizer (so it only ever sees this rank's shard). Frozen and
     empty parameters are left out. Shared by ZeRO-1 and ZeRO-2."""
@@ -290,7 +235,7 @@ def flat_groups(params, optimizer, world_size: int, rank: int, order=None):
         if not mine:
             param_group["params"] = []
             continue
-        flat_group = _FlatGroup(mine, world_size, rank, order)
+        flat_group = _FlatGroup(mine, world_size, rank)
         param_group["params"] = [flat_group.master]
         groups.append(flat_group)
     return groups

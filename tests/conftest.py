@@ -56,7 +56,7 @@ def cluster():
 @pytest.fixture(autouse=True)
 def _first_try():
     """Every test checks an exercise from a first wrong try (the hint comes on the second)."""
-    from gas_lab.lessons.exercises.verdict import reset_tries
+    from exercise_support import reset_tries
 
     reset_tries()
 

@@ -10,9 +10,16 @@ from pathlib import Path
 
 import pytest
 
-from gas_lab.lessons.exercises.verdict import ExerciseFailed, reset_tries
+from gas_lab.lessons.exercises import verdict as verdicts
+from gas_lab.lessons.exercises.verdict import ExerciseFailed
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def reset_tries() -> None:
+    """Forget every wrong try in this process (each test starts a case from a first try)."""
+    verdicts._FAILED_TRIES.clear()
+    verdicts._LAST_FAILED.clear()
 
 
 def load_solutions(lesson: int | str):

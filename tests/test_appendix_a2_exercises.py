@@ -10,11 +10,11 @@ from exercise_support import (
     assert_todo,
     first_try,
     load_solutions,
+    reset_tries,
     todo,
 )
 
 from gas_lab.lessons.exercises.appendix_a2 import check_optimizer_gradient, reference
-from gas_lab.lessons.exercises.verdict import reset_tries
 
 SOL = load_solutions("appendix_a2")
 DEFAULT = "accumulate bf16, all-reduce bf16 (the default), N = 16"
@@ -74,16 +74,16 @@ def test_a_bf16_result_is_told_the_dtype():
 def _deepspeed_and_reference(cells, n):
     import torch.distributed as dist
 
-    from gas_lab.measure import edges
+    from gas_lab.measure import bf16_gradients, replay
 
-    mine = edges.micro_gradients(n)
+    mine = bf16_gradients.micro_gradients(n)
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
     out = []
     for cfg, accumulate, communicate in cells:
         cfg = {**cfg, "gradient_accumulation_steps": n}
         out.append({"ours": reference(every, accumulate, communicate),
-                    **edges.both(edges.boundary_gradient, cfg, n)})  # fmt: skip
+                    **replay.both(bf16_gradients.boundary_gradient, cfg, n)})  # fmt: skip
     return out
 
 

@@ -8,11 +8,11 @@ from exercise_support import (
     assert_todo,
     first_try,
     load_solutions,
+    reset_tries,
     todo,
 )
 
 from gas_lab.lessons.exercises.appendix_a5 import check_ranks_needed
-from gas_lab.lessons.exercises.verdict import reset_tries
 
 SOL = load_solutions("appendix_a5")
 

@@ -213,7 +213,7 @@ def test_the_rank_with_fewer_micro_batches_waits_inside_step(cluster, lib):
     """Lesson 07's picture: unmanaged at stage 1 nothing is reduced in backward(); the first
     collective inside step() is the gradient all_reduce, on both ranks, and the rank with fewer
     micro-batches spends longer in it (it arrived first and waited for the busy one)."""
-    from gas_lab.measure.timeline import calls, collectives
+    from gas_lab.measure.recording import calls, collectives
 
     step = _ragged_step()
     counts = [len(rollouts.rollouts(step, r)) for r in range(2)]

@@ -132,11 +132,11 @@ def test_round_robin_changes_the_collectives():
     order's (so the round-robin case above compares something)."""
     from gas_lab.deepspeed_compat.buckets import round_robin, stage1_calls
     from gas_lab.deepspeed_compat.config import ZeroConfig
-    from gas_lab.zero1 import _FlatGroup
+    from gas_lab.deepspeed_compat.zero import arranged_group
 
     plans = []
     for rr in (False, True):
-        g = _FlatGroup(list(uneven_model(0).parameters()), 2, 0, order=round_robin if rr else None)
+        g = arranged_group(list(uneven_model(0).parameters()), 2, 0, round_robin if rr else None)
         zero = ZeroConfig(stage=1, reduce_bucket_size=10, round_robin_gradients=rr,
                           use_multi_rank_bucket_allreduce=False)  # fmt: skip
         calls = stage1_calls([(g.walk, g.layout.shard_size)], zero)

@@ -1,7 +1,7 @@
 """Lesson 08's APIs, gas_lab against DeepSpeed 0.19.8 on 2 ranks (ZeRO stage 0 and 1, managed
 and unmanaged): LR schedules, checkpoints resumed at a boundary and mid-window, and where the
 mean divides by the world size, per ZeRO stage (0 to 2) and key. Both libraries run the same
-functions of gas_lab.measure.edges."""
+functions of gas_lab.measure.replay, resume and mean_division."""
 
 import itertools
 import math
@@ -96,11 +96,11 @@ def test_scheduler_block_is_checked_when_the_config_is_read():
 
 # ---------------------------------------------------------------- 2. schedules on 2 ranks
 def _traces(cases):
-    from gas_lab.measure import edges
+    from gas_lab.measure import replay
 
     out = []
     for cfg, kw in cases:
-        runs = {lib: edges.lr_trace(lib, cfg, RAGGED, **kw) for lib in ("gas_lab", "deepspeed")}
+        runs = {lib: replay.lr_trace(lib, cfg, RAGGED, **kw) for lib in ("gas_lab", "deepspeed")}
         out.append({lib: (r["lr_at_start"], r["trace"], r["params"]) for lib, r in runs.items()})
     return out
 
@@ -132,7 +132,7 @@ def test_schedules_step_where_deepspeed_steps_them(cluster):
 
 
 def _client_schedulers():
-    from gas_lab.measure import edges
+    from gas_lab.measure import replay
     from gas_lab.toys import tiny_model
 
     out = {}
@@ -146,14 +146,14 @@ def _client_schedulers():
         cfg = make_config(
             stage, False, scheduler=WARMUP
         )  # the client scheduler wins over the block
-        engine, _, _, sched = edges.build(lib, cfg, lr_scheduler=factory)
-        trace = edges.play(engine, edges.events(False, [1, 2, 1]))
+        engine, _, _, sched = replay.build(lib, cfg, lr_scheduler=factory)
+        trace = replay.play(engine, replay.events(False, [1, 2, 1]))
         # A scheduler object bound to ANOTHER optimizer: accepted, stepped, changes nothing.
         model = tiny_model(0)
         other = torch.optim.SGD(model.parameters(), lr=0.5)
         stray = torch.optim.lr_scheduler.LambdaLR(other, lambda k: 0.1**k)
-        engine2, *_ = edges.build(lib, make_config(stage, True), model=model, lr_scheduler=stray)
-        trace2 = edges.play(engine2, edges.events(True, [1, 1, 1, 1]))
+        engine2, *_ = replay.build(lib, make_config(stage, True), model=model, lr_scheduler=stray)
+        trace2 = replay.play(engine2, replay.events(True, [1, 1, 1, 1]))
         out[(lib, stage)] = (seen["got"], type(sched).__name__, [t["lr"] for t in trace],
                              stray.last_epoch, [t["lr"] for t in trace2])  # fmt: skip
     return out
@@ -172,19 +172,19 @@ def test_client_scheduler_wins_and_a_callable_gets_the_torch_optimizer(cluster):
 
 
 def _overflow(stage, bf16):
-    from gas_lab.measure import edges
+    from gas_lab.measure import replay
 
     cfg = make_config(stage, True, gradient_accumulation_steps=1, scheduler=DECAY)
     if bf16:
         cfg["bf16"] = {"enabled": True}
     out = {}
     for lib in ("gas_lab", "deepspeed"):
-        engine, *_ = edges.build(lib, cfg)
+        engine, *_ = replay.build(lib, cfg)
         trace = []
         for step in range(3):  # the loss of step 1 is infinite
-            edges.play(engine, [("backward", step, 0)], loss_scale=math.inf if step == 1 else 1)
-            trace += edges.play(engine, [("step", step)])
-        params = edges.flat_params(engine.module)
+            replay.play(engine, [("backward", step, 0)], loss_scale=math.inf if step == 1 else 1)
+            trace += replay.play(engine, [("step", step)])
+        params = replay.flat_params(engine.module)
         out[lib] = (trace, bool(torch.isfinite(params).all()), params)
     return out
 
@@ -216,19 +216,19 @@ RESUME_CFG = {
 
 
 def _resume_table(root):
-    from gas_lab.measure import edges
+    from gas_lab.measure import resume
 
     rows = {}
     for stage, managed in MODES:
         cfg = {**RESUME_CFG, "zero_optimization": {"stage": stage},
                "managed_gradient_accumulation": managed}  # fmt: skip
-        at = edges.save_points(managed, RESUME_N, window=2, after=2)
+        at = resume.save_points(managed, RESUME_N, window=2, after=2)
         plans = {"boundary": (at["boundary"], at["boundary"]), "mid, continue": (at["mid"], at["mid"]),
                  "mid, redo the window": (at["mid"], at["window_start"])}  # fmt: skip
         for where, (save, restart) in plans.items():
             for lib in ("gas_lab", "deepspeed"):
                 folder = os.path.join(root, f"{lib}-{stage}-{managed}-{where}")
-                rows[(stage, managed, where, lib)] = edges.resume(lib, cfg, RESUME_N, save, restart,
+                rows[(stage, managed, where, lib)] = resume.resume(lib, cfg, RESUME_N, save, restart,
                                                                   folder)  # fmt: skip
     return rows
 
@@ -260,11 +260,11 @@ def test_resume_ends_where_deepspeed_ends(cluster, tmp_path):
 def _checkpoint_edges(root):
     import torch.distributed as dist
 
-    from gas_lab.measure import edges
+    from gas_lab.measure import replay
 
     out = {}
     for lib in ("gas_lab", "deepspeed"):
-        engine, *_ = edges.build(lib, make_config(1, True))
+        engine, *_ = replay.build(lib, make_config(1, True))
         empty = os.path.join(root, lib, "empty")
         os.makedirs(empty, exist_ok=True)
         dist.barrier()
@@ -308,9 +308,9 @@ DIVISION = [
 
 
 def _divisions(cases):
-    from gas_lab.measure import edges
+    from gas_lab.measure import mean_division, replay
 
-    return [edges.both(edges.division, extra, stage=stage) for stage, extra, _ in cases]
+    return [replay.both(mean_division.division, extra, stage=stage) for stage, extra, _ in cases]
 
 
 @pytest.fixture(scope="module")
@@ -345,11 +345,14 @@ GRAD = 4 * 58  # lesson 05's model: 58 fp32 weights, one gradient of 232 bytes
 
 
 def _lesson05_calls():
-    from gas_lab.measure import edges
+    from gas_lab.measure import mean_division, replay
 
     cases = ({}, {"use_multi_rank_bucket_allreduce": False}, {"reduce_scatter": False},
              {"reduce_scatter": False, "use_multi_rank_bucket_allreduce": False})  # fmt: skip
-    return [edges.both(edges.division, {"zero_optimization": z}, stage=1, dims={}) for z in cases]
+    return [
+        replay.both(mean_division.division, {"zero_optimization": z}, stage=1, dims={})
+        for z in cases
+    ]
 
 
 @pytest.mark.ranks
@@ -367,9 +370,9 @@ def test_which_collectives_carry_the_stage1_gradient(cluster):
 
 
 def _stage2_prescale():
-    from gas_lab.measure import edges
+    from gas_lab.measure import mean_division, replay
 
-    return edges.both(edges.division, {"prescale_gradients": True}, stage=2)
+    return replay.both(mean_division.division, {"prescale_gradients": True}, stage=2)
 
 
 @pytest.mark.ranks

@@ -5,11 +5,12 @@ The layers, lowest first (README.md, "The library", draws the same map):
 
 1. **floor**: the concept, what lessons 01-05 and 09 build (accumulate, dp, toys, engine,
    zero1, zero2); nothing of DeepSpeed's bookkeeping.
-2. **rules**: DeepSpeed's refusals and traps as data, the vocabulary of engine calls, the
-   errors gas_lab raises.
+2. **rules**: DeepSpeed's refusals and traps as data, the vocabulary of engine operations,
+   the errors gas_lab raises.
 3. **deepspeed**: ``gas_lab.deepspeed_compat``, DeepSpeed's engine on top of the floor.
-4. **checking**: measuring against DeepSpeed (``gas_lab.measure``, and the rules' matrix,
-   prediction and unsafe teaching mode, which run or parse configs).
+4. **checking**: measuring against DeepSpeed (``gas_lab.measure``, with the refusal matrix,
+   predictions and the unsafe teaching mode, which run or parse configs; and
+   ``python -m gas_lab.timeline``).
 5. **lessons**: what the notebooks need besides the concept.
 6. **package**: ``gas_lab`` itself (``gas_lab.initialize``, ``gas_lab.start_cluster``).
 
@@ -27,11 +28,10 @@ ROOT = Path(__file__).resolve().parents[1]
 LAYERS = [
     ("floor", ["gas_lab.accumulate", "gas_lab.dp", "gas_lab.toys", "gas_lab.engine",
                "gas_lab.zero1", "gas_lab.zero2"]),
-    ("rules", ["gas_lab.errors", "gas_lab.rules", "gas_lab.rules.calls",
+    ("rules", ["gas_lab.errors", "gas_lab.rules", "gas_lab.rules.operations",
                "gas_lab.rules.refusals", "gas_lab.rules.traps"]),
     ("deepspeed", ["gas_lab.deepspeed_compat", "gas_lab.deepspeed_compat.*"]),
-    ("checking", ["gas_lab.measure", "gas_lab.measure.*", "gas_lab.rules.prediction",
-                  "gas_lab.rules.matrix", "gas_lab.rules.unsafe", "gas_lab.timeline"]),
+    ("checking", ["gas_lab.measure", "gas_lab.measure.*", "gas_lab.timeline"]),
     ("lessons", ["gas_lab.lessons", "gas_lab.lessons.*"]),
     ("package", ["gas_lab"]),
 ]  # fmt: skip
@@ -181,3 +181,54 @@ def readme_map() -> set[str]:
 def test_the_readme_map_names_every_module():
     """README.md's map lists every module of gas_lab, each in its folder, and nothing else."""
     assert readme_map() == set(modules())
+
+
+# What exists only to match DeepSpeed, by the names gas_lab gives it: it lives in
+# gas_lab.deepspeed_compat, never in the floor the lessons print.
+DEEPSPEED_ONLY = {
+    "comm_dtype", "plan", "precision", "buffers", "reciprocal", "average", "deferred",
+    "last_norm", "skip_nonfinite", "replicated_grad_norm", "deepspeed",
+}  # fmt: skip
+
+
+def deepspeed_names(source: str) -> set[str]:
+    """The DeepSpeed-only names ``source``'s code uses (identifiers, attributes, arguments,
+    imported modules; not its docstrings and comments)."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Name):
+            found.add(node.id)
+        elif isinstance(node, ast.Attribute):
+            found.add(node.attr)
+        elif isinstance(node, ast.arg):
+            found.add(node.arg)
+        elif isinstance(node, ast.FunctionDef | ast.ClassDef):
+            found.add(node.name)
+        elif isinstance(node, ast.Import | ast.ImportFrom):
+            names = [a.name for a in node.names] + [getattr(node, "module", None) or ""]
+            found |= {part for n in names for part in n.split(".")}
+    return found & DEEPSPEED_ONLY
+
+
+def test_the_floor_names_nothing_deepspeed_only():
+    floor = [name for name in modules() if layer_of(name) == "floor"]
+    assert floor and {n: deepspeed_names(modules()[n].read_text()) for n in floor} == {
+        n: set() for n in floor
+    }
+    # ... and the check finds such a name where there is one (else it proves nothing).
+    assert deepspeed_names("def f(g, comm_dtype=None):\n    return g.plan\n") == {
+        "comm_dtype",
+        "plan",
+    }
+
+
+def test_the_readme_states_the_floor_size():
+    """README.md says how many lines the floor is, to the nearest 100: the floor's files."""
+    text = (ROOT / "README.md").read_text()
+    stated = re.search(
+        r"The floor is six files, .*?: about ([\d,]+) lines \(to the nearest 100", text, re.S
+    )
+    assert stated, "README.md's 'The library' section no longer states the floor's size"
+    floor = [path for name, path in modules().items() if layer_of(name) == "floor"]
+    lines = sum(len(path.read_text().splitlines()) for path in floor)
+    assert len(floor) == 6 and int(stated.group(1).replace(",", "")) == round(lines, -2), lines

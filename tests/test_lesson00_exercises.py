@@ -7,11 +7,11 @@ from exercise_support import (
     assert_todo,
     first_try,
     load_solutions,
+    reset_tries,
     todo,
 )
 
 from gas_lab.lessons.exercises.lesson00 import check_any_rank_overflowed, check_gather_ragged
-from gas_lab.lessons.exercises.verdict import reset_tries
 
 SOL = load_solutions(0)
 pytestmark = pytest.mark.ranks

@@ -7,6 +7,7 @@ from exercise_support import (
     assert_hint_on_second_try,
     assert_todo,
     load_solutions,
+    reset_tries,
     todo,
 )
 
@@ -15,7 +16,6 @@ from gas_lab.lessons.exercises.lesson01 import (
     check_clipped_step,
     check_per_token_stream,
 )
-from gas_lab.lessons.exercises.verdict import reset_tries
 
 SOL = load_solutions(1)
 CHECKS = [

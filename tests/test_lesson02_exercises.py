@@ -7,6 +7,7 @@ from exercise_support import (
     assert_todo,
     first_try,
     load_solutions,
+    reset_tries,
     todo,
 )
 
@@ -16,7 +17,6 @@ from gas_lab.lessons.exercises.lesson02 import (
     check_replicas,
     drifting_replicas,
 )
-from gas_lab.lessons.exercises.verdict import reset_tries
 
 SOL = load_solutions(2)
 

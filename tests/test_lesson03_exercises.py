@@ -7,11 +7,11 @@ from exercise_support import (
     assert_todo,
     first_try,
     load_solutions,
+    reset_tries,
     todo,
 )
 
 from gas_lab.lessons.exercises.lesson03 import SCRIPTS, check_counter_predictions, check_epochs
-from gas_lab.lessons.exercises.verdict import reset_tries
 
 SOL = load_solutions(3)
 

@@ -7,6 +7,7 @@ from exercise_support import (
     assert_todo,
     first_try,
     load_solutions,
+    reset_tries,
     todo,
 )
 
@@ -15,7 +16,6 @@ from gas_lab.lessons.exercises.lesson04 import (
     check_sample_weights,
     hanging_step,
 )
-from gas_lab.lessons.exercises.verdict import reset_tries
 
 SOL = load_solutions(4)
 pytestmark = pytest.mark.ranks

@@ -8,6 +8,7 @@ from exercise_support import (
     assert_todo,
     first_try,
     load_solutions,
+    reset_tries,
     todo,
 )
 
@@ -16,7 +17,6 @@ from gas_lab.lessons.exercises.lesson05 import (
     check_shard_accumulation,
     check_traffic_predictions,
 )
-from gas_lab.lessons.exercises.verdict import reset_tries
 
 SOL = load_solutions(5)
 pytestmark = pytest.mark.ranks

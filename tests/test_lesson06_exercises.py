@@ -11,6 +11,7 @@ from exercise_support import (
     assert_todo,
     first_try,
     load_solutions,
+    reset_tries,
     todo,
 )
 
@@ -23,9 +24,8 @@ from gas_lab.lessons.exercises.lesson06 import (
     new_cases,
     predict_with,
 )
-from gas_lab.lessons.exercises.verdict import reset_tries
-from gas_lab.rules import prediction
-from gas_lab.rules.calls import call_of
+from gas_lab.measure import prediction
+from gas_lab.rules.operations import call_of
 
 SOL = load_solutions(6)
 CASES = {c["id"]: c for c in prediction.measured_matrix()["cases"]}

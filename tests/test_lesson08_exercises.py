@@ -9,6 +9,7 @@ from exercise_support import (
     assert_todo,
     first_try,
     load_solutions,
+    reset_tries,
     todo,
     without_launcher_env,
 )
@@ -18,7 +19,6 @@ from gas_lab.lessons.exercises.lesson08 import (
     check_sum_loss,
     check_token_count,
 )
-from gas_lab.lessons.exercises.verdict import reset_tries
 
 SOL = load_solutions(8)
 

@@ -11,6 +11,7 @@ from exercise_support import (
     assert_todo,
     first_try,
     load_solutions,
+    reset_tries,
     todo,
 )
 
@@ -18,7 +19,6 @@ from gas_lab.lessons.exercises.lesson09 import (
     check_sum_weight,
     check_traffic_predictions,
 )
-from gas_lab.lessons.exercises.verdict import reset_tries
 
 SOL = load_solutions(9)
 

@@ -1,14 +1,14 @@
 """The committed matrix still describes the installed DeepSpeed: re-measure a fast subset.
 
 An upgrade that accepts what it used to reject (or rewords the message, or moves the moment)
-fails here, naming the cases; re-run ``python -m gas_lab.rules.matrix`` and review the diff.
+fails here, naming the cases; re-run ``python -m gas_lab.measure.matrix`` and review the diff.
 """
 
 from pathlib import Path
 
 import pytest
 
-from gas_lab.rules import matrix, prediction
+from gas_lab.measure import matrix, prediction
 
 pytestmark = pytest.mark.ranks
 ROOT = Path(__file__).resolve().parents[1]

@@ -116,8 +116,26 @@ def test_batch_arithmetic_on_two_ranks(cluster):
         assert any(ours != "error" for _, ours, _ in rows)
 
 
+def check_rule(rule, base: dict | None = None) -> dict:
+    """Run ``rule.example`` on gas_lab and on DeepSpeed; return what each raised (or None)."""
+    from gas_lab.deepspeed_compat.engine import initialize as gas_initialize
+    from gas_lab.measure.parity import BASE_CONFIG, deepspeed_initialize
+    from gas_lab.rules import operations, refusals
+
+    config = refusals.example_config(rule, base or BASE_CONFIG)
+    out = {}
+    for name, init in (("gas_lab", gas_initialize), ("deepspeed", deepspeed_initialize())):
+        try:
+            model = operations.model(rule.example.pipeline)
+            engine, *_ = init(model=model, model_parameters=model.parameters(), config=config)
+            operations.perform(engine, rule.example.ops)
+            out[name] = None
+        except Exception as err:  # the point is to catch and compare whatever is raised
+            out[name] = err
+    return out
+
+
 def _rules():
-    from gas_lab.measure.parity import check_rule
     from gas_lab.rules import refusals
 
     out = []

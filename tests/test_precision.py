@@ -84,11 +84,11 @@ def test_gradient_allreduce_op_values_as_deepspeed(value):
 
 # ---------------------------------------------------------------- 2 ranks: sum, bf16
 def _training(cases):
-    from gas_lab.measure import edges
+    from gas_lab.measure import replay
 
     out = []
     for cfg in cases:
-        runs = {lib: edges.lr_trace(lib, cfg, [3, 1, 4, 2, 3]) for lib in ("gas_lab", "deepspeed")}
+        runs = {lib: replay.lr_trace(lib, cfg, [3, 1, 4, 2, 3]) for lib in ("gas_lab", "deepspeed")}
         out.append({lib: (r["trace"], r["params"]) for lib, r in runs.items()})
     return out
 
@@ -126,17 +126,20 @@ def test_sum_and_bf16_train_as_deepspeed(cluster):
 
 
 def _gradients(cells, ns):
-    from gas_lab.measure import edges
+    from gas_lab.measure import bf16_gradients
 
     out = []
     for cfg in cells:
         row = {}
         for n in ns:
             cfg = {**cfg, "gradient_accumulation_steps": n}
-            runs = {lib: edges.boundary_gradient(lib, cfg, n) for lib in ("gas_lab", "deepspeed")}
+            runs = {
+                lib: bf16_gradients.boundary_gradient(lib, cfg, n)
+                for lib in ("gas_lab", "deepspeed")
+            }
             row[n] = runs
             if "refused" not in runs["deepspeed"]:
-                row[n]["fp32"] = edges.reference_gradient(n)
+                row[n]["fp32"] = bf16_gradients.reference_gradient(n)
         out.append(row)
     return out
 
@@ -189,13 +192,13 @@ def test_accumulation_dtype_table_matches_deepspeed(cluster):
 def _initialize_returns(dataset_size):
     import torch.distributed as dist
 
-    from gas_lab.measure import edges
+    from gas_lab.measure import replay
 
     data = torch.utils.data.TensorDataset(torch.arange(dataset_size).float())
     out = {}
     for lib in ("gas_lab", "deepspeed"):
         cfg = make_config(1, False, scheduler=SCHED)
-        engine, optimizer, loader, sched = edges.build(lib, cfg, training_data=data)
+        engine, optimizer, loader, sched = replay.build(lib, cfg, training_data=data)
         if lib == "deepspeed":
             # DeepSpeed forks 2 loader workers per iteration and pins memory: neither changes
             # the batches, and forking a rank that holds many engines can fail for memory.
@@ -242,46 +245,46 @@ def one_process(monkeypatch):
 
 
 def _bf16_run(cfg, events, seed=0):
-    from gas_lab.measure import edges
+    from gas_lab.measure import replay
 
-    engine, *_ = edges.build("gas_lab", cfg, seed=seed)
-    edges.play(engine, events)
+    engine, *_ = replay.build("gas_lab", cfg, seed=seed)
+    replay.play(engine, events)
     return engine
 
 
 @pytest.mark.parametrize("stage", [0, 1])
 def test_bf16_resume_at_a_boundary_is_exact(one_process, tmp_path, stage):
     """The fp32 masters are saved and restored (not rebuilt from the bf16 weights)."""
-    from gas_lab.measure import edges
+    from gas_lab.measure import replay
 
     cfg = make_config(stage, True, bf16={"enabled": True}, scheduler=SCHED)
-    evs = edges.events(True, [3] * 4)
+    evs = replay.events(True, [3] * 4)
     whole = _bf16_run(cfg, evs)
     half = _bf16_run(cfg, evs[:12])
     half.save_checkpoint(tmp_path)
-    fresh, *_ = edges.build("gas_lab", cfg, seed=1)
+    fresh, *_ = replay.build("gas_lab", cfg, seed=1)
     fresh.load_checkpoint(tmp_path)
-    edges.play(fresh, evs[12:])
-    assert torch.equal(edges.flat_params(fresh.module), edges.flat_params(whole.module))
+    replay.play(fresh, evs[12:])
+    assert torch.equal(replay.flat_params(fresh.module), replay.flat_params(whole.module))
     # Rebuilding the masters from the bf16 weights instead is not exact.
-    lossy, *_ = edges.build("gas_lab", cfg, seed=1)
+    lossy, *_ = replay.build("gas_lab", cfg, seed=1)
     lossy.load_checkpoint(tmp_path, load_optimizer_states=False)
-    edges.play(lossy, evs[12:])
-    assert not torch.equal(edges.flat_params(lossy.module), edges.flat_params(whole.module))
+    replay.play(lossy, evs[12:])
+    assert not torch.equal(replay.flat_params(lossy.module), replay.flat_params(whole.module))
 
 
 def test_immediate_grad_update_frees_grad_and_changes_nothing(one_process):
-    from gas_lab.measure import edges
+    from gas_lab.measure import replay
 
     base = make_config(1, True, bf16={"enabled": True}, data_types={"grad_accum_dtype": "fp32"})
     immediate = {**base, "bf16": {"enabled": True, "immediate_grad_update": True}}
     runs = {}
     for name, cfg in (("default", base), ("immediate", immediate)):
-        engine, *_ = edges.build("gas_lab", cfg)
-        edges.play(engine, [("backward", 0, 0)])
+        engine, *_ = replay.build("gas_lab", cfg)
+        replay.play(engine, [("backward", 0, 0)])
         grads = [p.grad for p in engine.module.parameters()]
-        edges.play(engine, edges.events(True, [3, 3])[1:])
-        runs[name] = (grads, edges.flat_params(engine.module))
+        replay.play(engine, replay.events(True, [3, 3])[1:])
+        runs[name] = (grads, replay.flat_params(engine.module))
     assert all(g is not None and g.dtype == torch.bfloat16 for g in runs["default"][0])
     assert all(g is None for g in runs["immediate"][0])
     assert torch.equal(runs["default"][1], runs["immediate"][1])
@@ -289,19 +292,23 @@ def test_immediate_grad_update_frees_grad_and_changes_nothing(one_process):
 
 # ---------------------------------------------------------------- ZeRO-2: DeepSpeed only
 def _stage2(ns):
-    from gas_lab.measure import edges
+    from gas_lab.measure import bf16_gradients
 
     out = {}
     for accum in (None, "fp32"):
         cfg = _cell(2, True, True, accum)
         out[accum] = {
-            "buffer": edges.accumulation_buffer({**cfg, "gradient_accumulation_steps": 4}),
-            "refused_by_gas_lab": edges.boundary_gradient("gas_lab", cfg, 1).get("refused"),
+            "buffer": bf16_gradients.accumulation_buffer({**cfg, "gradient_accumulation_steps": 4}),
+            "refused_by_gas_lab": bf16_gradients.boundary_gradient("gas_lab", cfg, 1).get(
+                "refused"
+            ),
             "error": [],
         }
         for n in ns:
-            got = edges.boundary_gradient("deepspeed", {**cfg, "gradient_accumulation_steps": n}, n)
-            ref = edges.reference_gradient(n)
+            got = bf16_gradients.boundary_gradient(
+                "deepspeed", {**cfg, "gradient_accumulation_steps": n}, n
+            )
+            ref = bf16_gradients.reference_gradient(n)
             out[accum]["error"].append(((got["gradient"] - ref).norm() / ref.norm()).item())
     return out
 

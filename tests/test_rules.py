@@ -13,7 +13,8 @@ import torch
 
 from gas_lab import initialize
 from gas_lab.errors import ConfigError, RejectedCombination
-from gas_lab.rules import matrix, prediction, refusals
+from gas_lab.measure import matrix, prediction
+from gas_lab.rules import refusals
 from gas_lab.toys import tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,7 +50,7 @@ def in_scope(case) -> bool:
     )
 
 
-# Rules no script of gas_lab.rules.matrix reaches; tests/test_parity.py checks each one
+# Rules no script of gas_lab.measure.matrix reaches; tests/test_parity.py checks each one
 # against live DeepSpeed instead (test_refusals_match_deepspeed runs every rule's example).
 NOT_IN_MATRIX = {
     "coalesce_nested",
@@ -349,7 +350,7 @@ def test_deepspeed_leniency_is_refused_by_gas_lab(gas_lab_results):
 # ---------------------------------------------------------------- 4. the unsafe teaching mode
 def _unsafe_vs_deepspeed(config, skip, set_boundary=None):
     # Independent of unsafe.run (which lesson 06 uses): the loop written out once more.
-    """On a rank: 2 unmanaged steps of 3 micro-batches on gas_lab.rules.unsafe and on DeepSpeed with
+    """On a rank: 2 unmanaged steps of 3 micro-batches on gas_lab.measure.unsafe and on DeepSpeed with
     the same check bypassed; parameters and all-reduce counts of each."""
     import contextlib
     import functools
@@ -357,8 +358,8 @@ def _unsafe_vs_deepspeed(config, skip, set_boundary=None):
     import torch
     import torch.distributed as dist
 
+    from gas_lab.measure import unsafe
     from gas_lab.measure.comm import count_collectives
-    from gas_lab.rules import unsafe
     from gas_lab.toys import flat_params, micro_batch, tiny_model
 
     out = {}
@@ -427,7 +428,7 @@ def test_unsafe_overlap_at_zero1_matches_deepspeed_and_is_wrong(cluster):
 @pytest.mark.ranks
 def test_unsafe_experiment_reports_what_it_ran(cluster):
     """unsafe.experiment (lesson 06's harness): its numbers are the runs' own."""
-    from gas_lab.rules import unsafe
+    from gas_lab.measure import unsafe
 
     config = {**UNSAFE_BASE, "zero_optimization": {"stage": 1, "overlap_comm": True}}
     out = unsafe.experiment(cluster, "overlap", config, ["unmanaged_overlap_comm"])
@@ -467,7 +468,7 @@ def _flat_initial():
 
 
 def test_unsafe_refuses_unknown_rules_and_says_so(single_process, capsys):
-    from gas_lab.rules import unsafe
+    from gas_lab.measure import unsafe
 
     with pytest.raises(ValueError, match="unknown rules"):
         unsafe.initialize(tiny_model(0), UNSAFE_BASE, ["no_such_rule"])
@@ -481,12 +482,12 @@ def test_unsafe_refuses_unknown_rules_and_says_so(single_process, capsys):
 
 def _direct_backward_at_stage_0():
     """On a rank: managed, GAS 3, loss.backward() instead of engine.backward(loss), on
-    gas_lab.rules.unsafe with the stage-0 rule skipped and on DeepSpeed with its check bypassed."""
+    gas_lab.measure.unsafe with the stage-0 rule skipped and on DeepSpeed with its check bypassed."""
     import torch
     import torch.distributed as dist
 
+    from gas_lab.measure import unsafe
     from gas_lab.measure.comm import count_collectives
-    from gas_lab.rules import unsafe
     from gas_lab.toys import flat_params, micro_batch, tiny_model
 
     config = {**UNSAFE_BASE, "managed_gradient_accumulation": True}
@@ -566,7 +567,7 @@ def test_unsafe_deepcompile_is_plain_at_stage_0_and_fails_in_step_at_zero1(stage
     """DeepCompile, modelled from DeepSpeed's source: stage 0 falls back to torch.compile (the
     engine trains as without it); at ZeRO-1 no backward() is the boundary, so the averaged
     gradients step() reads were never set (DeepSpeed: KeyError)."""
-    from gas_lab.rules import unsafe
+    from gas_lab.measure import unsafe
     from gas_lab.toys import micro_batch
 
     config = {

@@ -1,4 +1,4 @@
-"""Timelines (gas_lab.measure.timeline, gas_lab.timeline, gas_lab.lessons.timeline_plots).
+"""Timelines (gas_lab.measure.recording, gas_lab.timeline, gas_lab.lessons.timeline_plots).
 
 The 2-rank tests record every (library, stage, mode) once on the shared ranks (module fixture)
 and check what the lessons assert: which collectives, how many bytes, inside which call; and
@@ -19,8 +19,12 @@ import pytest
 matplotlib.use("Agg")
 
 from gas_lab import timeline as cli  # noqa: E402
+from gas_lab.lessons import timeline_explorer as te  # noqa: E402
 from gas_lab.lessons import timeline_plots as tp  # noqa: E402
-from gas_lab.measure import timeline as tl  # noqa: E402
+from gas_lab.lessons.plots import svg  # noqa: E402
+from gas_lab.measure import chrome_trace as ct  # noqa: E402
+from gas_lab.measure import recording as tl  # noqa: E402
+from gas_lab.measure.recording import Event  # noqa: E402
 from gas_lab.toys import tiny_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -141,10 +145,10 @@ def test_gas_lab_issues_deepspeeds_sequence_call_by_call(recorded):
 @pytest.mark.ranks
 def test_recorded_trace_validates_and_reads_back(recorded):
     events = recorded["deepspeed", 1, "unmanaged"]
-    trace = json.loads(json.dumps(tl.chrome_trace(events, library="deepspeed")))
-    assert tl.validate_trace(trace) == []
+    trace = json.loads(json.dumps(ct.chrome_trace(events, library="deepspeed")))
+    assert ct.validate_trace(trace) == []
     assert {t["pid"] for t in trace["traceEvents"]} == {0, 1}
-    back = tl.events_from_trace(trace)
+    back = events_from_trace(trace)
     assert sorted(back, key=_key) == sorted(events, key=_key)
 
 
@@ -194,7 +198,7 @@ def test_figures_from_recorded_runs_are_readable(recorded):
 
 @pytest.mark.ranks
 def test_explorer_on_the_ranks_draws_a_recorded_run(cluster, capsys):
-    box = tp.timeline_explorer(cluster)  # gas_lab, stage 0, unmanaged, N = 3, 1
+    box = te.timeline_explorer(cluster)  # gas_lab, stage 0, unmanaged, N = 3, 1
     (events,) = box.recorded.values()
     assert [tl.signature(events, r) for r in range(W)] == [
         expected(0, "unmanaged", n) for n in RAGGED
@@ -265,11 +269,11 @@ def test_command_under_torchrun_writes_one_valid_trace_for_all_ranks(tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     trace = json.loads(out.read_text())
-    assert tl.validate_trace(trace) == []
+    assert ct.validate_trace(trace) == []
     assert trace["otherData"]["micro_batches"] == [3, 1]
     names = {t["pid"]: t["args"]["name"] for t in trace["traceEvents"] if t["name"] == "process_name"}  # fmt: skip
     assert names == {0: "rank 0", 1: "rank 1"}
-    events = tl.events_from_trace(trace)
+    events = events_from_trace(trace)
     for rank, n in enumerate([3, 1]):
         assert tl.signature(events, rank) == expected(1, "unmanaged", n)
         assert tl.describe(events, rank) in proc.stdout
@@ -342,8 +346,8 @@ def _events(per_rank):
 
 
 def test_a_trace_has_the_promised_format():
-    trace = tl.chrome_trace(_events([3, 1]), library="gas_lab")
-    assert tl.validate_trace(trace) == []
+    trace = ct.chrome_trace(_events([3, 1]), library="gas_lab")
+    assert ct.validate_trace(trace) == []
     x = [t for t in trace["traceEvents"] if t["ph"] == "X"]
     assert {t["cat"] for t in x} == {"engine", "collective"}
     reduce = next(t for t in x if t["cat"] == "collective")
@@ -368,9 +372,9 @@ def test_a_trace_has_the_promised_format():
     ],
 )
 def test_the_validator_names_what_is_wrong(break_it, problem):
-    trace = tl.chrome_trace(_events([2, 2]))
+    trace = ct.chrome_trace(_events([2, 2]))
     break_it(trace)
-    problems = tl.validate_trace(trace)
+    problems = ct.validate_trace(trace)
     assert any(problem in p for p in problems), problems
 
 
@@ -399,7 +403,7 @@ def test_logical_layout_lines_up_each_collective_and_shows_the_wait():
 def test_hand_made_figure_is_readable_and_writes_svg():
     fig = tp.plot_timeline(_events([3, 1]), title="stage 0, unmanaged, N = 3, 1")
     _assert_readable(fig)
-    text = tp.svg(fig)
+    text = svg(fig)
     assert text.startswith("<svg") and ">all_reduce" in text  # text kept as text
 
 
@@ -444,7 +448,7 @@ def test_a_plain_loop_is_recorded_and_put_back_as_it_was():
 
 def test_explorer_records_each_setting_once_and_says_why_it_cannot(capsys):
     cluster = FakeCluster()
-    box = tp.timeline_explorer(cluster)
+    box = te.timeline_explorer(cluster)
     assert len(cluster.calls) == 1 and "N = 3, 1" in box.message.value
     box.stage.value = 1
     box.stage.value = 0  # seen before: drawn again, not recorded again
@@ -458,8 +462,8 @@ def test_explorer_records_each_setting_once_and_says_why_it_cannot(capsys):
 
 
 def test_explorer_without_ipywidgets_is_the_static_figure(monkeypatch):
-    monkeypatch.setattr(tp, "w", None)
-    fig = tp.timeline_explorer(FakeCluster(), stage=1)
+    monkeypatch.setattr(te, "w", None)
+    fig = te.timeline_explorer(FakeCluster(), stage=1)
     assert isinstance(fig, matplotlib.figure.Figure) and fig.axes
 
 
@@ -471,3 +475,31 @@ def test_the_docs_snippet_runs(capsys):
     exec(snippet, {"cluster": cluster})
     assert [c["library"] for c in cluster.calls] == ["gas_lab", "deepspeed", "gas_lab"]
     capsys.readouterr()
+
+
+def events_from_trace(trace: dict) -> list[Event]:
+    """The events back from chrome_trace()'s output (after validate_trace())."""
+    out = []
+    for t in trace["traceEvents"]:
+        if t.get("ph") != "X":
+            continue
+        a = t.get("args", {})
+        start = round(t["ts"] * 1000)
+        out.append(
+            Event(
+                t["pid"],
+                t["cat"],
+                t["name"],
+                start,
+                start + round(t["dur"] * 1000),
+                a.get("step"),
+                a.get("micro_batch"),
+                bool(a.get("boundary", False)),
+                a.get("bytes", 0),
+                a.get("group_size", 0),
+                a.get("dtype", ""),
+                a.get("called", ""),
+                a.get("inside") or "",
+            )
+        )
+    return out

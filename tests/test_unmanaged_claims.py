@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from gas_lab.dp import global_count
-from gas_lab.measure import timeline as tl
+from gas_lab.measure import recording as tl
 from gas_lab.measure.parity import initializer, reference_params, train
 from gas_lab.toys import flat_params, micro_batch, tiny_model
 

@@ -22,7 +22,7 @@ import torch.distributed as dist  # noqa: E402
 
 from gas_lab.dp import end_rank, init_from_env  # noqa: E402
 from gas_lab.lessons import timeline_plots as tp  # noqa: E402
-from gas_lab.measure import timeline as tl  # noqa: E402
+from gas_lab.measure import recording as tl  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "docs" / "concepts"

@@ -26,7 +26,8 @@ power of two).
 ``stage1_calls`` returns the plan as data (:class:`Call`), so a lesson can print it. With
 ``round_robin_gradients`` the parameters are laid into the flat vector in DeepSpeed's
 round-robin order (:func:`round_robin`), which changes who owns which element, not the numbers.
-:class:`Zero1Plan` is what :class:`gas_lab.zero1.ShardedUpdate` is given to run all that, and
+:class:`Zero1Plan` is what :class:`gas_lab.deepspeed_compat.zero.Zero1` is given to run all
+that, and
 :class:`Division` where the config puts the division by W.
 """
 
@@ -140,8 +141,9 @@ def round_robin(numels: list[int], world_size: int) -> list[int]:
     return [i for r in range(world_size) for i in range(r, len(numels), world_size)]
 
 
-def scale_steps(scaling: str, world_size: int, average: bool, prescale: bool,
-                predivide: float) -> tuple[Callable | None, Callable | None]:  # fmt: skip
+def scale_steps(
+    scaling: str, world_size: int, average: bool, prescale: bool, predivide: float
+) -> tuple[Callable | None, Callable | None]:
     """(before, after): what is done to the buffer before and after the sum, in DeepSpeed's
     operation order (``engine``: stage 0's; ``predivide``: stage 1 with reduce_scatter false)."""
     w = world_size
@@ -158,8 +160,14 @@ def scale_steps(scaling: str, world_size: int, average: bool, prescale: bool,
     return before, after
 
 
-def reduce_views(views: list[torch.Tensor], group, comm_dtype, kind: str = "all_reduce",
-                 dst: int | None = None, steps=(None, None)) -> None:  # fmt: skip
+def reduce_views(
+    views: list[torch.Tensor],
+    group,
+    comm_dtype,
+    kind: str = "all_reduce",
+    dst: int | None = None,
+    steps=(None, None),
+) -> None:
     """One collective over ``views`` (flattened together, in ``comm_dtype``), written back.
 
     With ``reduce`` only ``dst`` receives the sum (the others' views keep what they had)."""
@@ -196,8 +204,11 @@ class Division:
 
     @classmethod
     def of(cls, config) -> Division:
-        return cls(config.gradient_allreduce_op == "mean", config.prescale_gradients,
-                   config.gradient_predivide_factor)  # fmt: skip
+        return cls(
+            config.gradient_allreduce_op == "mean",
+            config.prescale_gradients,
+            config.gradient_predivide_factor,
+        )
 
     def steps(self, scaling: str, world_size: int):
         """:func:`scale_steps` for a collective of ``scaling``."""
@@ -217,8 +228,7 @@ class Zero1Plan:
 
     @classmethod
     def of(cls, config, route) -> Zero1Plan:
-        return cls(config.zero_optimization, Division.of(config),
-                   route.wrapper == "BF16_Optimizer")  # fmt: skip
+        return cls(config.zero_optimization, Division.of(config), route.wrapper == "BF16_Optimizer")
 
     @property
     def compute_norm(self) -> bool:

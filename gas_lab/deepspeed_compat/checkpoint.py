@@ -97,8 +97,16 @@ def save(engine, strategy, save_dir, tag=None, client_state=None, save_latest=Tr
     return True
 
 
-def load(engine, strategy, load_dir, tag=None, load_module_strict=True,
-         load_optimizer_states=True, load_lr_scheduler_states=True, load_module_only=False):  # fmt: skip
+def load(
+    engine,
+    strategy,
+    load_dir,
+    tag=None,
+    load_module_strict=True,
+    load_optimizer_states=True,
+    load_lr_scheduler_states=True,
+    load_module_only=False,
+):
     """Restore a checkpoint into ``engine``; ``(path, client_state)``, or ``(None, None)`` when
     ``tag`` is None and ``<load_dir>/latest`` does not exist (as DeepSpeed, with a warning)."""
     if tag is None:
@@ -151,8 +159,10 @@ def strategy_state(strategy) -> dict:
     the same two things into one ``zero_pp_rank_<r>`` file per rank."""
     groups = getattr(strategy, "groups", None)
     if groups is None:  # stage 0: everything, on every rank
-        return {"optimizer": strategy.optimizer.state_dict(),
-                "masters": getattr(strategy, "masters", None)}  # fmt: skip
+        return {
+            "optimizer": strategy.optimizer.state_dict(),
+            "masters": getattr(strategy, "masters", None),
+        }
     return {
         "optimizer": strategy.optimizer.state_dict(),
         "masters": [g.master.detach().clone() for g in groups],

@@ -15,12 +15,18 @@ The batch invariant, as DeepSpeed states it::
 Give any two of the three and the third is derived (integer division, as DeepSpeed does, then
 the invariant is checked, so 10 = 3 x ? x 1 is an error rather than a silent 9).
 
-Taught alongside the engine in lesson 03; lesson 06 explains the refusals it applies.
+The config arrives as ``deepspeed.initialize`` takes it (:func:`choose_config`: ``config=``,
+``config_params=`` or ``args.deepspeed_config``; :func:`read_config`: a dict, a JSON file or
+base64-encoded JSON). Taught alongside the engine in lesson 03; lesson 06 explains the refusals
+it applies.
 """
 
 from __future__ import annotations
 
+import base64
+import json
 import math
+import os
 from typing import Annotated, Any
 
 import torch
@@ -225,7 +231,7 @@ def with_batch(cfg: GasConfig, world_size: int) -> GasConfig:
             cfg.train_micro_batch_size_per_gpu,
             cfg.gradient_accumulation_steps,
             world_size,
-        )  # fmt: skip
+        )
     )
     cfg.world_size = world_size
     return cfg
@@ -238,8 +244,11 @@ def parse(config: dict | GasConfig) -> GasConfig:
     if not isinstance(config, dict):
         raise ConfigError("<config>", f"expected a dict, got {type(config).__name__}")
     if "world_size" in config:
-        raise ConfigError("world_size", "not a DeepSpeed key: the world size is the process "
-                          "group's (give train_batch_size and the micro-batch size instead)")  # fmt: skip
+        raise ConfigError(
+            "world_size",
+            "not a DeepSpeed key: the world size is the process "
+            "group's (give train_batch_size and the micro-batch size instead)",
+        )
     config = keys.check_known(config)  # what does nothing is accepted, and left out
     if "amp" in config and config["amp"] is None:
         config = {**config, "amp": {}}  # DeepSpeed refuses the key itself, even null (rules)
@@ -258,9 +267,12 @@ def parse(config: dict | GasConfig) -> GasConfig:
 def _check_zero(cfg: GasConfig) -> None:
     """What DeepSpeed checks across keys when it builds its engine and ZeRO optimizer."""
     if cfg.steps_per_print == 0:
-        raise ConfigError("steps_per_print", "0: DeepSpeed divides the step count by it at the "
-                          "first update (ZeroDivisionError); null never prints",
-                          deepspeed_raises=ZeroDivisionError)  # fmt: skip
+        raise ConfigError(
+            "steps_per_print",
+            "0: DeepSpeed divides the step count by it at the "
+            "first update (ZeroDivisionError); null never prints",
+            deepspeed_raises=ZeroDivisionError,
+        )
     zero = cfg.zero_optimization
     if zero.stage in (1, 2) and zero.allgather_bucket_size % 2:
         raise ConfigError(
@@ -271,8 +283,10 @@ def _check_zero(cfg: GasConfig) -> None:
         )
     if not zero.compute_grad_norm:
         if zero.stage not in (1, 2):
-            raise ConfigError("zero_optimization.compute_grad_norm",
-                              "false is supported only with ZeRO stage 1 or 2 (as in DeepSpeed)")  # fmt: skip
+            raise ConfigError(
+                "zero_optimization.compute_grad_norm",
+                "false is supported only with ZeRO stage 1 or 2 (as in DeepSpeed)",
+            )
         if cfg.gradient_clipping > 0:
             raise ConfigError(
                 "zero_optimization.compute_grad_norm",
@@ -284,3 +298,72 @@ def _check_zero(cfg: GasConfig) -> None:
                 "config key 'zero_optimization.compute_grad_norm': false with bf16 is not "
                 "supported by gas_lab; use deepspeed.initialize"
             )
+
+
+# -- reading the config as deepspeed.initialize does --------------------------------------------
+def choose_config(args, config, config_params):
+    """The one config among ``config``, ``config_params`` and ``args.deepspeed_config``, as
+    ``deepspeed.initialize`` picks it (``args.deepscale_config``: its deprecated name)."""
+    if config is None:
+        config = config_params
+    from_args = getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
+    if from_args is not None:
+        if config is not None:
+            raise ConfigError(
+                "<config>",
+                "given twice, in args.deepspeed_config and in "
+                "initialize(config=...): keep one (DeepSpeed asserts the same)",
+                deepspeed_raises=AssertionError,
+            )
+        config = from_args
+    if config is None:
+        raise ConfigError(
+            "<config>",
+            "none given: pass initialize(config=...) or args.deepspeed_config (--deepspeed_config)",
+            deepspeed_raises=AssertionError,
+        )
+    return config
+
+
+def read_config(config) -> dict:
+    """A config dict, or what a path names (a JSON file, read as DeepSpeed reads it: hjson
+    where installed, duplicate keys refused), or a base64-encoded JSON string."""
+    if isinstance(config, (dict, GasConfig)):
+        return config
+    if not isinstance(config, (str, os.PathLike)):
+        raise ConfigError("<config>", f"expected a dict or a path, got {type(config).__name__}")
+    if os.path.isfile(config):
+        with open(config) as f:
+            return _parse_json(f.read(), f"file {os.fspath(config)}")
+    try:
+        text = base64.urlsafe_b64decode(str(config)).decode("utf-8")
+    except (ValueError, UnicodeDecodeError):
+        raise ConfigError(
+            "<config>",
+            f"{config!r} is neither a JSON file nor base64-encoded "
+            "JSON (DeepSpeed raises ValueError too)",
+        ) from None
+    return _parse_json(text, "base64 string")
+
+
+def _parse_json(text: str, where: str) -> dict:
+    def no_duplicates(pairs):
+        keys = [k for k, _ in pairs]
+        duplicate = next((k for k in keys if keys.count(k) > 1), None)
+        if duplicate is not None:
+            raise ConfigError(duplicate, f"appears twice in the config {where}")
+        return dict(pairs)
+
+    try:
+        import hjson  # DeepSpeed's reader: JSON plus comments and trailing commas
+
+        parsed = hjson.loads(text, object_pairs_hook=no_duplicates)
+    except ImportError:
+        parsed = json.loads(text, object_pairs_hook=no_duplicates)
+    except ValueError as err:
+        if isinstance(err, ConfigError):
+            raise
+        raise ConfigError("<config>", f"the config {where} is not JSON: {err}") from None
+    if not isinstance(parsed, dict):
+        raise ConfigError("<config>", f"the config {where} holds a {type(parsed).__name__}")
+    return parsed

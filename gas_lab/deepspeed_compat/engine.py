@@ -25,23 +25,22 @@ What this layer adds to the floor's counting and boundary, each at one named pla
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import functools
-import json
 import os
 
 import torch
 import torch.distributed as dist
 
 from gas_lab.deepspeed_compat import checkpoint, loader, precision, schedules
-from gas_lab.deepspeed_compat.config import GasConfig, load_config
+from gas_lab.deepspeed_compat.config import GasConfig, choose_config, load_config, read_config
+from gas_lab.deepspeed_compat.devices import device_for, device_of, set_up_deepspeed_comm
 from gas_lab.deepspeed_compat.strategies import strategy_for
 from gas_lab.dp import default_group
 from gas_lab.engine import Engine
-from gas_lab.errors import ConfigError, NotImplementedInGasLab
+from gas_lab.errors import NotImplementedInGasLab
 from gas_lab.rules import refusals
-from gas_lab.rules.calls import situation_action
+from gas_lab.rules.operations import situation_action
 
 TORCH_DISTRIBUTED_DEFAULT_PORT = 29500  # deepspeed.constants'
 
@@ -55,10 +54,15 @@ class DeepSpeedEngine(Engine):
 
     def __init__(self, module, optimizer, config: GasConfig, group, strategy, device=None):
         super().__init__(
-            module, optimizer, config.gradient_accumulation_steps,
-            config.train_micro_batch_size_per_gpu, config.managed_gradient_accumulation, group,
-            functools.partial(strategy, config=config), config.gradient_clipping,
-        )  # fmt: skip
+            module,
+            optimizer,
+            config.gradient_accumulation_steps,
+            config.train_micro_batch_size_per_gpu,
+            config.managed_gradient_accumulation,
+            group=group,
+            strategy=functools.partial(strategy, config=config),
+            max_norm=config.gradient_clipping,
+        )
         self._config = config
         self.precision = precision.route(config)  # where a bf16 run rounds (lesson 08)
         self.skipped_steps = 0  # updates skipped for a non-finite gradient norm
@@ -76,7 +80,7 @@ class DeepSpeedEngine(Engine):
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
         self.dp_world_size = self.world_size
         self.data_parallel_group = group
-        self.device = device if device is not None else _device_of(module)
+        self.device = device if device is not None else device_of(module)
         self.mpu = None
 
     # -- the training loop: the floor's, with DeepSpeed's checks and hooks --------------------
@@ -197,16 +201,18 @@ class DeepSpeedEngine(Engine):
     # -- the rules -------------------------------------------------------------------------------
     def check(self, op: str) -> None:
         """Raise what DeepSpeed raises for the engine call ``op`` (an op of
-        :data:`gas_lab.rules.calls.CALLS`) in this engine's situation; the teaching mode that
-        switches rules off (:mod:`gas_lab.rules.unsafe`) overrides this one method."""
+        :data:`gas_lab.rules.operations.CALLS`) in this engine's situation; the teaching mode that
+        switches rules off (:mod:`gas_lab.measure.unsafe`) overrides this one method."""
         # An update ahead (unmanaged: every step(); managed: the boundary) from no backward(),
         # or (managed) from a window whose boundary micro-step reduced nothing.
         update = op == "step" and (not self.managed or self.is_gradient_accumulation_boundary())
         situation = refusals.Situation(
-            self._config, situation_action(op), inside_no_sync=self.inside_no_sync_ctxt,
+            self._config,
+            situation_action(op),
+            inside_no_sync=self.inside_no_sync_ctxt,
             idle=update and self._window_empty,
             no_boundary_backward=update and self.managed and not self._boundary_reduced,
-        )  # fmt: skip
+        )
         refusals.enforce(situation)
 
     # -- read-only facts, named as in DeepSpeed --------------------------------------------------
@@ -266,19 +272,46 @@ class DeepSpeedEngine(Engine):
         """Save on every rank; exact only at a boundary (gradients are not saved)."""
         return checkpoint.save(self, self.strategy, save_dir, tag, client_state, save_latest)
 
-    def load_checkpoint(self, load_dir, tag=None, load_module_strict=True,
-                        load_optimizer_states=True, load_lr_scheduler_states=True,
-                        load_module_only=False):  # fmt: skip
+    def load_checkpoint(
+        self,
+        load_dir,
+        tag=None,
+        load_module_strict=True,
+        load_optimizer_states=True,
+        load_lr_scheduler_states=True,
+        load_module_only=False,
+    ):
         """Restore weights, optimizer, scheduler and counters: ``(path, client_state)``."""
-        return checkpoint.load(self, self.strategy, load_dir, tag, load_module_strict,
-                               load_optimizer_states, load_lr_scheduler_states,
-                               load_module_only)  # fmt: skip
+        return checkpoint.load(
+            self,
+            self.strategy,
+            load_dir,
+            tag,
+            load_module_strict,
+            load_optimizer_states,
+            load_lr_scheduler_states,
+            load_module_only,
+        )
 
 
-def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None,
-               lr_scheduler=None, distributed_port=TORCH_DISTRIBUTED_DEFAULT_PORT, mpu=None,
-               dist_init_required=None, collate_fn=None, config=None, mesh_param=None,
-               config_params=None, *, group=None, strategy=None):  # fmt: skip
+def initialize(
+    args=None,
+    model=None,
+    optimizer=None,
+    model_parameters=None,
+    training_data=None,
+    lr_scheduler=None,
+    distributed_port=TORCH_DISTRIBUTED_DEFAULT_PORT,
+    mpu=None,
+    dist_init_required=None,
+    collate_fn=None,
+    config=None,
+    mesh_param=None,
+    config_params=None,
+    *,
+    group=None,
+    strategy=None,
+):
     """gas_lab's ``deepspeed.initialize``, with DeepSpeed 0.19.8's arguments: ``(engine,
     optimizer, training_dataloader, lr_scheduler)``, the last two None when not asked for.
 
@@ -313,16 +346,18 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
                 f"{name} out, or use deepspeed.initialize"
             )
     if dist_init_required is False and not dist.is_initialized():
-        raise ValueError("dist_init_required=False, but no process group exists: start one "
-                         "first, or leave dist_init_required out (DeepSpeed asserts the same)")  # fmt: skip
+        raise ValueError(
+            "dist_init_required=False, but no process group exists: start one "
+            "first, or leave dist_init_required out (DeepSpeed asserts the same)"
+        )
     group = group if group is not None else default_group()
     if group is not None:
-        _set_up_deepspeed_comm(distributed_port, dist_init_required)
+        set_up_deepspeed_comm(distributed_port, dist_init_required)
     world_size = dist.get_world_size(group) if group is not None else 1
-    cfg = load_config(read_config(_the_config(args, config, config_params)), world_size)
+    cfg = load_config(read_config(choose_config(args, config, config_params)), world_size)
     pipeline = any(c.__name__ == "PipelineModule" for c in type(model).__mro__)
     refusals.enforce(refusals.Situation(cfg, pipeline=pipeline))
-    device = _device_for(group, model)
+    device = device_for(group, model)
     model.to(device)  # as DeepSpeed does: with nccl, this rank's GPU
     precision.cast_parameters(model, cfg.model_dtype)  # bf16: the weights, not the buffers
     if optimizer is None:  # as in DeepSpeed, a client optimizer wins over the config's
@@ -342,96 +377,14 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     if training_data is not None:
         rank = dist.get_rank(group) if group is not None else 0
         engine.training_dataloader = loader.training_loader(
-            training_data, cfg.train_micro_batch_size_per_gpu, world_size, rank, collate_fn,
+            training_data,
+            cfg.train_micro_batch_size_per_gpu,
+            world_size,
+            rank,
+            collate_fn,
             cfg.dataloader_drop_last,
-        )  # fmt: skip
+        )
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
-
-
-def _the_config(args, config, config_params):
-    """The one config among ``config``, ``config_params`` and ``args.deepspeed_config``, as
-    ``deepspeed.initialize`` picks it (``args.deepscale_config``: its deprecated name)."""
-    if config is None:
-        config = config_params
-    from_args = getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
-    if from_args is not None:
-        if config is not None:
-            raise ConfigError("<config>", "given twice, in args.deepspeed_config and in "
-                              "initialize(config=...): keep one (DeepSpeed asserts the same)",
-                              deepspeed_raises=AssertionError)  # fmt: skip
-        config = from_args
-    if config is None:
-        raise ConfigError("<config>", "none given: pass initialize(config=...) or "
-                          "args.deepspeed_config (--deepspeed_config)",
-                          deepspeed_raises=AssertionError)  # fmt: skip
-    return config
-
-
-def read_config(config) -> dict:
-    """A config dict, or what a path names (a JSON file, read as DeepSpeed reads it: hjson
-    where installed, duplicate keys refused), or a base64-encoded JSON string."""
-    if isinstance(config, (dict, GasConfig)):
-        return config
-    if not isinstance(config, (str, os.PathLike)):
-        raise ConfigError("<config>", f"expected a dict or a path, got {type(config).__name__}")
-    if os.path.isfile(config):
-        with open(config) as f:
-            return _parse_json(f.read(), f"file {os.fspath(config)}")
-    try:
-        text = base64.urlsafe_b64decode(str(config)).decode("utf-8")
-    except (ValueError, UnicodeDecodeError):
-        raise ConfigError("<config>", f"{config!r} is neither a JSON file nor base64-encoded "
-                          "JSON (DeepSpeed raises ValueError too)") from None  # fmt: skip
-    return _parse_json(text, "base64 string")
-
-
-def _parse_json(text: str, where: str) -> dict:
-    def no_duplicates(pairs):
-        keys = [k for k, _ in pairs]
-        duplicate = next((k for k in keys if keys.count(k) > 1), None)
-        if duplicate is not None:
-            raise ConfigError(duplicate, f"appears twice in the config {where}")
-        return dict(pairs)
-
-    try:
-        import hjson  # DeepSpeed's reader: JSON plus comments and trailing commas
-
-        parsed = hjson.loads(text, object_pairs_hook=no_duplicates)
-    except ImportError:
-        parsed = json.loads(text, object_pairs_hook=no_duplicates)
-    except ValueError as err:
-        if isinstance(err, ConfigError):
-            raise
-        raise ConfigError("<config>", f"the config {where} is not JSON: {err}") from None
-    if not isinstance(parsed, dict):
-        raise ConfigError("<config>", f"the config {where} holds a {type(parsed).__name__}")
-    return parsed
-
-
-def _set_up_deepspeed_comm(distributed_port: int, dist_init_required) -> None:
-    """``deepspeed.initialize`` leaves ``deepspeed.comm`` ready (``deepspeed.comm.get_rank()``
-    works after it); so does gas_lab's, on the process group that exists, where DeepSpeed is
-    installed."""
-    backend = dist.get_backend()
-    os.environ.setdefault("DS_ACCELERATOR", "cuda" if backend == "nccl" else "cpu")
-    try:
-        from deepspeed import comm
-    except ImportError:  # nothing written for DeepSpeed runs here then
-        return
-    comm.init_distributed(dist_backend=backend, distributed_port=distributed_port,
-                          dist_init_required=dist_init_required, verbose=False)  # fmt: skip
-
-
-def _device_for(group, module) -> torch.device:
-    """Where DeepSpeed puts the model: this rank's GPU when the group runs on nccl; otherwise
-    gas_lab leaves it where it is (DeepSpeed's CPU accelerator: the CPU)."""
-    if group is not None and dist.get_backend(group) == "nccl":
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
-    return _device_of(module)
-
-
-def _device_of(module) -> torch.device:
-    return next((p.device for p in module.parameters()), torch.device("cpu"))
 
 
 def _output_tensors(out) -> list[torch.Tensor]:

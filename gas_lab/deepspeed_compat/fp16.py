@@ -36,7 +36,8 @@ import torch.distributed as dist
 
 from gas_lab.deepspeed_compat.config import parse, with_batch
 from gas_lab.deepspeed_compat.loss_scaling import for_deepspeed
-from gas_lab.dp import all_reduce_mean, clip_by_norm, default_group, replicated_grad_norm
+from gas_lab.deepspeed_compat.norms import replicated_grad_norm
+from gas_lab.dp import all_reduce_mean, clip_by_norm, default_group
 from gas_lab.engine import is_boundary, samples_run
 
 

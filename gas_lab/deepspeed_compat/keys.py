@@ -172,8 +172,9 @@ def check_known(config: dict) -> dict:
             and not (key in ZERO_STAGE3_ONLY and below_3)
             and not (key in ZERO_DEFAULTS and _does_nothing(value, ZERO_DEFAULTS[key]))
         ):
-            raise NotImplementedInGasLab(_not_supported(f"zero_optimization.{key}", value,
-                                                        ZERO_DEFAULTS, key))  # fmt: skip
+            raise NotImplementedInGasLab(
+                _not_supported(f"zero_optimization.{key}", value, ZERO_DEFAULTS, key)
+            )
     out = {k: v for k, v in config.items() if k not in NOT_SUPPORTED}
     if "zero_optimization" in config and isinstance(config["zero_optimization"], dict):
         out["zero_optimization"] = {k: v for k, v in zero.items() if k not in ZERO_NOT_SUPPORTED}
@@ -182,8 +183,11 @@ def check_known(config: dict) -> dict:
 
 def _refuse_removed(prefix: str, key: str, removed: frozenset) -> None:
     if key in removed:
-        raise ConfigError(prefix + key, "removed in DeepSpeed 0.19.8, which refuses the key "
-                          "whatever its value (DeepSpeedConfigError); remove it")  # fmt: skip
+        raise ConfigError(
+            prefix + key,
+            "removed in DeepSpeed 0.19.8, which refuses the key "
+            "whatever its value (DeepSpeedConfigError); remove it",
+        )
 
 
 def _not_supported(path: str, value, defaults: dict, key: str | None = None) -> str:
@@ -191,9 +195,11 @@ def _not_supported(path: str, value, defaults: dict, key: str | None = None) -> 
     if key in defaults:
         default = defaults[key]
         what = "false or null" if default is None else json.dumps(default)
-        return (f"config key '{path}': {value!r} asks for a DeepSpeed feature not supported by "
-                f"gas_lab, which takes only the value that does nothing ({what}, DeepSpeed's "
-                "default); remove the key, or use deepspeed.initialize")  # fmt: skip
+        return (
+            f"config key '{path}': {value!r} asks for a DeepSpeed feature not supported by "
+            f"gas_lab, which takes only the value that does nothing ({what}, DeepSpeed's "
+            "default); remove the key, or use deepspeed.initialize"
+        )
     return (
         f"config key '{path}': a DeepSpeed key not supported by gas_lab; remove it, or use "
         "deepspeed.initialize"

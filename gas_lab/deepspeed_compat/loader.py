@@ -19,8 +19,14 @@ from __future__ import annotations
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
 
 
-def training_loader(dataset, micro_batch_size: int, world_size: int, rank: int,
-                    collate_fn=None, drop_last: bool = False) -> DataLoader:  # fmt: skip
+def training_loader(
+    dataset,
+    micro_batch_size: int,
+    world_size: int,
+    rank: int,
+    collate_fn=None,
+    drop_last: bool = False,
+) -> DataLoader:
     """Rank ``rank``'s loader of micro-batches over its shard of ``dataset``."""
     if isinstance(dataset, IterableDataset) or not isinstance(dataset, Dataset):
         # DeepSpeed accepts iterable datasets too, but a DistributedSampler cannot shard them.
@@ -29,8 +35,14 @@ def training_loader(dataset, micro_batch_size: int, world_size: int, rank: int,
             f"DistributedSampler); got {type(dataset).__name__}"
         )
     sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank)
-    loader = DataLoader(dataset, batch_size=micro_batch_size, sampler=sampler,
-                        collate_fn=collate_fn, drop_last=drop_last, num_workers=0)  # fmt: skip
+    loader = DataLoader(
+        dataset,
+        batch_size=micro_batch_size,
+        sampler=sampler,
+        collate_fn=collate_fn,
+        drop_last=drop_last,
+        num_workers=0,
+    )
     loader.data_sampler = sampler  # DeepSpeed's name for it
     return loader
 

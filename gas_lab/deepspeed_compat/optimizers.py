@@ -61,8 +61,11 @@ PASSED = Passed()
 
 def _not_null(value) -> None:
     if value is None:
-        raise _refuse("TypeError", "null; DeepSpeed passes it to the optimizer, which raises "
-                      "TypeError (leave the key out for the default)")  # fmt: skip
+        raise _refuse(
+            "TypeError",
+            "null; DeepSpeed passes it to the optimizer, which raises "
+            "TypeError (leave the key out for the default)",
+        )
 
 
 def _number(value, signed=False):
@@ -72,9 +75,12 @@ def _number(value, signed=False):
     if math.isnan(value) or math.isinf(value):
         raise _refuse("ValueError", f"must be finite, got {value!r}")
     if value < 0 and not signed:
-        raise _refuse("ValueError", f"must be >= 0, got {value!r} (torch raises ValueError; "
-                      "DeepSpeed's FusedAdam takes a negative lr as ascent and ignores a negative "
-                      "weight_decay)")  # fmt: skip
+        raise _refuse(
+            "ValueError",
+            f"must be >= 0, got {value!r} (torch raises ValueError; "
+            "DeepSpeed's FusedAdam takes a negative lr as ascent and ignores a negative "
+            "weight_decay)",
+        )
     return value
 
 
@@ -96,36 +102,50 @@ def _flag(value):
 
 def _switch(value):
     if value not in (None, True, False, 0, 1) or isinstance(value, float):
-        raise _refuse("ValueError", f"must be true, false, 0, 1 or null, got {value!r} "
-                      "(DeepSpeed reads it by truthiness: the string 'no' means true)")  # fmt: skip
+        raise _refuse(
+            "ValueError",
+            f"must be true, false, 0, 1 or null, got {value!r} "
+            "(DeepSpeed reads it by truthiness: the string 'no' means true)",
+        )
     return value
 
 
 def _max_grad_norm(value):
     if value is None:  # any other value: refused by gas_lab.rules.refusals, as DeepSpeed
-        raise _refuse("TypeError", "null; DeepSpeed raises TypeError on it at initialize (use "
-                      "the top-level gradient_clipping)")  # fmt: skip
+        raise _refuse(
+            "TypeError",
+            "null; DeepSpeed raises TypeError on it at initialize (use "
+            "the top-level gradient_clipping)",
+        )
     return value
 
 
 def _amsgrad_fused(value):
     if _flag(value):
-        raise _refuse("RuntimeError", "FusedAdam (DeepSpeed's Adam without torch_adam) has no "
-                      "AMSGrad variant: DeepSpeed raises RuntimeError at initialize; add "
-                      '"torch_adam": true for torch\'s AMSGrad')  # fmt: skip
+        raise _refuse(
+            "RuntimeError",
+            "FusedAdam (DeepSpeed's Adam without torch_adam) has no "
+            "AMSGrad variant: DeepSpeed raises RuntimeError at initialize; add "
+            '"torch_adam": true for torch\'s AMSGrad',
+        )
     return value
 
 
 def _bias_correction(value):
     if not _flag(value):  # FusedAdam then skips the bias correction; torch's Adam always applies it
-        raise _refuse("not_supported", f"{value!r} (no bias correction) is not supported by "
-                      "gas_lab; use deepspeed.initialize")  # fmt: skip
+        raise _refuse(
+            "not_supported",
+            f"{value!r} (no bias correction) is not supported by gas_lab; use deepspeed.initialize",
+        )
     return value
 
 
 def _not_modelled(value):
-    raise _refuse("not_supported", "not supported by gas_lab (DeepSpeed passes it to the "
-                  "optimizer); remove it or use deepspeed.initialize")  # fmt: skip
+    raise _refuse(
+        "not_supported",
+        "not supported by gas_lab (DeepSpeed passes it to the "
+        "optimizer); remove it or use deepspeed.initialize",
+    )
 
 
 Number = Annotated[Any, BeforeValidator(_number), PASSED]
@@ -268,8 +288,12 @@ def _refusal(path: str, key: str, error: dict) -> Exception:
     if error["type"] == "extra_forbidden":
         other = [BUILDERS[p] for p, model in PARAMS.items() if key in model.model_fields]
         hint = f"a parameter of {other[0]} only" if other else "unknown; check the spelling"
-        return ConfigError(where, f"{hint}: DeepSpeed passes it on to {builder}, which raises "
-                           "TypeError (unexpected keyword argument)", deepspeed_raises=TypeError)  # fmt: skip
+        return ConfigError(
+            where,
+            f"{hint}: DeepSpeed passes it on to {builder}, which raises "
+            "TypeError (unexpected keyword argument)",
+            deepspeed_raises=TypeError,
+        )
     if error["type"] == "not_supported":
         return NotImplementedInGasLab(f"config key '{where}': {error['msg']} ({builder})")
     return ConfigError(where, error["msg"], deepspeed_raises=_RAISES.get(error["type"]))
@@ -306,13 +330,29 @@ def table() -> list[dict[str, str]]:
     for kind in ("Adam", "AdamW"):
         for torch_adam in (None, True):
             for adam_w_mode in (None, False):
-                params = {k: v for k, v in (("torch_adam", torch_adam), ("adam_w_mode", adam_w_mode))
-                          if v is not None}  # fmt: skip
+                params = {
+                    k: v
+                    for k, v in (("torch_adam", torch_adam), ("adam_w_mode", adam_w_mode))
+                    if v is not None
+                }
                 p = plan(kind, params)
-                rows.append({"type": kind, "params": str(params), "DeepSpeed builds": p.deepspeed_builds,
-                             "gas_lab builds": p.cls.__name__,
-                             "weight_decay": str(p.build([torch.zeros(1)]).defaults["weight_decay"])})  # fmt: skip
+                rows.append(
+                    {
+                        "type": kind,
+                        "params": str(params),
+                        "DeepSpeed builds": p.deepspeed_builds,
+                        "gas_lab builds": p.cls.__name__,
+                        "weight_decay": str(p.build([torch.zeros(1)]).defaults["weight_decay"]),
+                    }
+                )
     p = plan("SGD", {})
-    rows.append({"type": "SGD", "params": "{}", "DeepSpeed builds": p.deepspeed_builds,
-                 "gas_lab builds": "SGD", "weight_decay": "0"})  # fmt: skip
+    rows.append(
+        {
+            "type": "SGD",
+            "params": "{}",
+            "DeepSpeed builds": p.deepspeed_builds,
+            "gas_lab builds": "SGD",
+            "weight_decay": "0",
+        }
+    )
     return rows

@@ -129,8 +129,10 @@ class Precision:
 
     def describe(self) -> str:
         name = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-        return (f"model {name[self.model]}, accumulate {name[self.accumulate]}, all-reduce "
-                f"{name[self.communicate]}, wrapper {self.wrapper or 'none (torch optimizer)'}")  # fmt: skip
+        return (
+            f"model {name[self.model]}, accumulate {name[self.accumulate]}, all-reduce "
+            f"{name[self.communicate]}, wrapper {self.wrapper or 'none (torch optimizer)'}"
+        )
 
 
 def route(cfg) -> Precision:
@@ -150,8 +152,9 @@ def route(cfg) -> Precision:
         # ZeRO skips on an invalid norm, except bf16 with check_grad_overflow false.
         wrapper = "DeepSpeedZeroOptimizer"
         skip = model != torch.bfloat16 or cfg.bf16.check_grad_overflow
-    return Precision(model, accumulate, communication_dtype(cfg), wrapper, skip,
-                     cfg.bf16.immediate_grad_update)  # fmt: skip
+    return Precision(
+        model, accumulate, communication_dtype(cfg), wrapper, skip, cfg.bf16.immediate_grad_update
+    )
 
 
 def cast_parameters(module: torch.nn.Module, dtype: torch.dtype) -> None:

@@ -135,8 +135,15 @@ class _Warmup:
 class WarmupLR(_Warmup):
     """``min -> max`` over ``warmup_num_steps`` updates, then ``max``."""
 
-    def __init__(self, optimizer, warmup_min_lr=0.0, warmup_max_lr=None, warmup_num_steps=1000,
-                 warmup_type="log", last_batch_iteration=-1):  # fmt: skip
+    def __init__(
+        self,
+        optimizer,
+        warmup_min_lr=0.0,
+        warmup_max_lr=None,
+        warmup_num_steps=1000,
+        warmup_type="log",
+        last_batch_iteration=-1,
+    ):
         if warmup_max_lr is None:
             warmup_max_lr = [group["lr"] for group in optimizer.param_groups]
         self.optimizer = optimizer
@@ -159,11 +166,25 @@ class WarmupLR(_Warmup):
 class WarmupDecayLR(WarmupLR):
     """Warm up as :class:`WarmupLR`, then decay linearly to 0 at ``total_num_steps``."""
 
-    def __init__(self, optimizer, total_num_steps, warmup_min_lr=0.0, warmup_max_lr=0.001,
-                 warmup_num_steps=1000, warmup_type="log", last_batch_iteration=-1):  # fmt: skip
+    def __init__(
+        self,
+        optimizer,
+        total_num_steps,
+        warmup_min_lr=0.0,
+        warmup_max_lr=0.001,
+        warmup_num_steps=1000,
+        warmup_type="log",
+        last_batch_iteration=-1,
+    ):
         self.total_num_steps = total_num_steps
-        super().__init__(optimizer, warmup_min_lr, warmup_max_lr, warmup_num_steps, warmup_type,
-                         last_batch_iteration)  # fmt: skip
+        super().__init__(
+            optimizer,
+            warmup_min_lr,
+            warmup_max_lr,
+            warmup_num_steps,
+            warmup_type,
+            last_batch_iteration,
+        )
 
     def _gamma(self) -> float:
         if self.last_batch_iteration < self.warmup_num_steps:
@@ -176,8 +197,16 @@ class WarmupCosineLR(_Warmup):
     """A ratio of the optimizer's lr: ``warmup_min_ratio -> 1``, then a cosine to
     ``cos_min_ratio`` at ``total_num_steps`` (and it stays there)."""
 
-    def __init__(self, optimizer, total_num_steps, warmup_min_ratio=0.0, warmup_num_steps=1000,
-                 cos_min_ratio=0.0001, warmup_type="log", last_batch_iteration=-1):  # fmt: skip
+    def __init__(
+        self,
+        optimizer,
+        total_num_steps,
+        warmup_min_ratio=0.0,
+        warmup_num_steps=1000,
+        cos_min_ratio=0.0001,
+        warmup_type="log",
+        last_batch_iteration=-1,
+    ):
         self.total_num_steps, self.cos_min_ratio = total_num_steps, cos_min_ratio
         self.warmup_min_ratio = warmup_min_ratio
         self.org_lrs = [group["lr"] for group in optimizer.param_groups]

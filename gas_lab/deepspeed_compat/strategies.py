@@ -3,9 +3,11 @@ precision, its norm.
 
 The floor's strategies (:class:`gas_lab.engine.AllReduce`, :class:`gas_lab.zero1.ShardedUpdate`,
 :class:`gas_lab.zero2.PartitionedGradientUpdate`) reduce and update from scratch. Here the config
-decides what they are given: the bucket plan (:mod:`.buckets`) and the precision
-(:mod:`.precision`); stage 0 gets DeepSpeed's own flavour, :class:`AllReduceUpdate` (5e8-element
-buckets, the division before or after the sum, fp32 masters for a bf16 model). At ZeRO-1 each
+decides what their DeepSpeed versions are given: the bucket plan (:mod:`.buckets`) and the
+precision (:mod:`.precision`) for :class:`~.zero.Zero1`, the bucket size for
+:class:`~.zero.Zero2`; stage 0 gets DeepSpeed's own flavour, :class:`AllReduceUpdate`
+(5e8-element buckets, the division before or after the sum, the norm's all-reduce, fp32
+masters for a bf16 model). At ZeRO-1 each
 parameter also carries what ``deepspeed.utils.safe_get_full_grad`` reads
 (:func:`expose_full_gradients`).
 
@@ -23,10 +25,10 @@ import torch
 import torch.distributed as dist
 
 from gas_lab.deepspeed_compat import buckets, precision
-from gas_lab.dp import clip_by_norm
+from gas_lab.deepspeed_compat.norms import clip_by_float_norm, replicated_grad_norm
+from gas_lab.deepspeed_compat.zero import Zero1, Zero2
 from gas_lab.engine import AllReduce
-from gas_lab.zero1 import REDUCE_MODES, ShardedUpdate
-from gas_lab.zero2 import PartitionedGradientUpdate
+from gas_lab.zero1 import REDUCE_MODES
 
 
 class AllReduceUpdate(AllReduce):
@@ -40,8 +42,15 @@ class AllReduceUpdate(AllReduce):
     ``FP16_UnfusedOptimizer``.
     """
 
-    def __init__(self, params, optimizer, group, max_norm, division: buckets.Division,
-                 route: precision.Precision):  # fmt: skip
+    def __init__(
+        self,
+        params,
+        optimizer,
+        group,
+        max_norm,
+        division: buckets.Division,
+        route: precision.Precision,
+    ):
         # Frozen and empty parameters have nothing to reduce (DeepSpeed skips them too).
         super().__init__([p for p in params if p.numel() > 0], optimizer, group, max_norm)
         self.division, self.precision = division, route
@@ -64,6 +73,9 @@ class AllReduceUpdate(AllReduce):
         grads = [p.grad for p in self.params]
         buckets.engine_all_reduce(grads, self.group, self.division, self.precision.communicate)
 
+    def grad_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        return replicated_grad_norm(grads, self.group)  # with DeepSpeed's all-reduce
+
     def update(self) -> bool:
         if self.masters is None:  # fp32: no overflow check at stage 0, as in DeepSpeed
             return super().update()
@@ -77,7 +89,7 @@ class AllReduceUpdate(AllReduce):
         for master, g in zip(self.masters, grads, strict=True):
             master.grad = g.float()  # exact: every bf16 value is an fp32 value
         if self.max_norm > 0:
-            clip_by_norm([m.grad for m in self.masters], norm, self.max_norm)
+            clip_by_float_norm([m.grad for m in self.masters], norm, self.max_norm)
         self.optimizer.step()
         with torch.no_grad():
             for p, master in zip(self.params, self.masters, strict=True):
@@ -96,29 +108,43 @@ def zero1(params, optimizer, group, max_norm, config, reduce: str | None = None)
     textbook reductions instead of DeepSpeed's buckets, in the plain layout)."""
     route = precision.route(config)
     plan = None if reduce is not None else buckets.Zero1Plan.of(config, route)
-    strategy = ShardedUpdate(params, optimizer, group, max_norm, reduce or "all_reduce",
-                             config.gradient_allreduce_op == "mean", plan, route)  # fmt: skip
+    strategy = Zero1(
+        params,
+        optimizer,
+        group,
+        max_norm,
+        reduce or "all_reduce",
+        config.gradient_allreduce_op == "mean",
+        plan,
+        route,
+    )
     expose_full_gradients(strategy)
     return strategy
 
 
 def zero2(params, optimizer, group, max_norm, config):
     """ZeRO-2 in DeepSpeed's default reduction (fp32 only: the rules refuse the rest)."""
-    return PartitionedGradientUpdate(params, optimizer, group, max_norm,
-                                     config.zero_optimization.reduce_bucket_size,
-                                     config.gradient_allreduce_op == "mean")  # fmt: skip
+    return Zero2(
+        params,
+        optimizer,
+        group,
+        max_norm,
+        config.zero_optimization.reduce_bucket_size,
+        config.gradient_allreduce_op == "mean",
+    )
 
 
 def stage0(params, optimizer, group, max_norm, config):
-    return AllReduceUpdate(params, optimizer, group, max_norm, buckets.Division.of(config),
-                           precision.route(config))  # fmt: skip
+    return AllReduceUpdate(
+        params, optimizer, group, max_norm, buckets.Division.of(config), precision.route(config)
+    )
 
 
 def strategy_for(stage: int, reduce: str | None = None):
     """What builds the strategy for a ZeRO stage from the config: ``f(params, optimizer, group,
-    max_norm, config)``. Stage 0: :class:`AllReduceUpdate`; 1: :class:`~gas_lab.zero1.ShardedUpdate`
-    with DeepSpeed's plan, or lesson 05's ``reduce`` (``"all_reduce"``, ``"reduce_scatter"``);
-    2: :class:`~gas_lab.zero2.PartitionedGradientUpdate`."""
+    max_norm, config)``. Stage 0: :class:`AllReduceUpdate`; 1: :class:`~.zero.Zero1` with
+    DeepSpeed's plan, or lesson 05's ``reduce`` (``"all_reduce"``, ``"reduce_scatter"``);
+    2: :class:`~.zero.Zero2`."""
     if reduce is not None and stage != 1:
         raise ValueError(f"reduce= chooses ZeRO-1's reduction; stage {stage} has one reduction")
     if stage == 0:
@@ -134,7 +160,7 @@ def strategy_for(stage: int, reduce: str | None = None):
 
 
 # -- DeepSpeed's view of ZeRO-1's shards ------------------------------------------------------
-def expose_full_gradients(strategy: ShardedUpdate) -> None:
+def expose_full_gradients(strategy: Zero1) -> None:
     """Give each parameter the two attributes ``deepspeed.utils.safe_get_full_grad(param)``
     looks for, so code that reads gradients the DeepSpeed way reads gas_lab's ZeRO-1 too;
     ``strategy.destroy()`` (``engine.destroy()``) takes them off again."""

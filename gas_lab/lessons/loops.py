@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from gas_lab.measure.comm import count_collectives
 from gas_lab.measure.parity import quiet_deepspeed
-from gas_lab.measure.timeline import collectives, record_loop
+from gas_lab.measure.recording import collectives, record_loop
 from gas_lab.toys import flat_params, micro_batch, tiny_model
 
 #: Where ``no_sync()`` goes in :func:`ddp_train`: around forward *and* backward (as torch's docs

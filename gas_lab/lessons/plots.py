@@ -117,8 +117,9 @@ def plot_shards(numels: Sequence[int], names: Sequence[str], worlds: Sequence[in
         layout = Layout.of(numels, world)
         for i, (offset, n) in enumerate(zip(layout.offsets, numels, strict=True)):
             ax.barh(0, n, left=offset, color=colours[i % 10], edgecolor="white", label=names[i])
-        ax.barh(0, layout.padding, left=layout.numel, color="lightgrey", hatch="//",
-                label="padding")  # fmt: skip
+        ax.barh(
+            0, layout.padding, left=layout.numel, color="lightgrey", hatch="//", label="padding"
+        )
         for rank in range(world):
             start, end = layout.shard(rank)
             ax.axvline(start, color="black", lw=2)

@@ -274,9 +274,9 @@ def record_step(
     """On every rank: the timeline of one step of a fresh run of ``library`` ("deepspeed" or
     "gas_lab") on ``step``'s rollouts, after one unrecorded step on the same rollouts (so that
     nothing of the first step's set-up is in it). ``forward_s`` makes each recorded forward
-    longer (:func:`gas_lab.measure.timeline.record`)."""
+    longer (:func:`gas_lab.measure.recording.record`)."""
     from gas_lab.measure.parity import initializer
-    from gas_lab.measure.timeline import record
+    from gas_lab.measure.recording import record
 
     run = RolloutRun(initializer(library), config, seed)
     run.step(step)
@@ -304,10 +304,19 @@ def plot_tokens(tokens_per_rank: list[list[int]]):
         top.bar(steps + offset, [t[r] for t in tokens_per_rank], width, label=f"rank {r}")
     top.set(ylabel="real tokens", title="tokens per step per rank: the rollouts decide")
     top.legend()
-    bottom.plot(steps, [t[0] / sum(t) for t in tokens_per_rank], "o-", color=COLOURS["none"],
-                label="rank 0's share of the step's tokens")  # fmt: skip
-    bottom.axhline(1 / world, color=COLOURS["local_tokens"], linestyle="--",
-                   label=f"1/{world}: its weight with a per-rank count")  # fmt: skip
+    bottom.plot(
+        steps,
+        [t[0] / sum(t) for t in tokens_per_rank],
+        "o-",
+        color=COLOURS["none"],
+        label="rank 0's share of the step's tokens",
+    )
+    bottom.axhline(
+        1 / world,
+        color=COLOURS["local_tokens"],
+        linestyle="--",
+        label=f"1/{world}: its weight with a per-rank count",
+    )
     bottom.set(ylim=(0, 1.3), xlabel="optimizer step", ylabel="weight of rank 0")
     bottom.legend(loc="upper center", ncol=2)
     return fig
@@ -323,15 +332,20 @@ def plot_pitfalls(losses: dict[str, list[float]], drifts: dict[str, list[float]]
     gap.axhline(0, color=COLOURS["none"], linewidth=2, label="none (the right loop)")
     for name, curve in losses.items():
         if name != "none":
-            gap.plot([a - b for a, b in zip(curve, right, strict=True)], color=COLOURS[name],
-                     label=name)  # fmt: skip
+            gap.plot(
+                [a - b for a, b in zip(curve, right, strict=True)], color=COLOURS[name], label=name
+            )
     gap.set(title="top: loss minus the right run's loss", ylabel="loss difference")
     gap.legend(ncol=2)
     for name, ds in drifts.items():
         base = name.split(",")[0]
         style = "--" if "no clipping" in name else "-"
         drift_ax.plot([max(d, 1e-9) for d in ds], style, color=COLOURS[base], label=name)
-    drift_ax.set(title="bottom: parameter drift from the right run", xlabel="optimizer step",
-                 ylabel="max |param difference|", yscale="log")  # fmt: skip
+    drift_ax.set(
+        title="bottom: parameter drift from the right run",
+        xlabel="optimizer step",
+        ylabel="max |param difference|",
+        yscale="log",
+    )
     drift_ax.legend(ncol=2)
     return fig

@@ -1,9 +1,9 @@
 """Timeline figures: one row per rank, the engine's calls as bars, the collectives under them.
 
-Drawn from :mod:`gas_lab.measure.timeline`'s events (or a trace file the command wrote)::
+Drawn from :mod:`gas_lab.measure.recording`'s events (or a trace file the command wrote)::
 
-    events = timeline.record_on(cluster, library="gas_lab", stage=0, mode="unmanaged",
-                                micro_batches=[3, 1])
+    events = recording.record_on(cluster, library="gas_lab", stage=0, mode="unmanaged",
+                                 micro_batches=[3, 1])
     plot_timeline(events)                                    # one library
     plot_side_by_side({"gas_lab": ours, "deepspeed": theirs})  # the same sequence, twice
 
@@ -22,7 +22,6 @@ optimizer step on every rank.
 
 from __future__ import annotations
 
-import html
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -31,13 +30,7 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
-from gas_lab.lessons.plots import svg, with_still_picture
-from gas_lab.measure.timeline import Event, PlanError, check_plan, collectives, ranks, record_on
-
-try:
-    import ipywidgets as w
-except ImportError:  # the figures still work; the explorer falls back to one static figure
-    w = None
+from gas_lab.measure.recording import Event, collectives, ranks
 
 # Engine calls: forward light, backward dark (same hue: one micro-batch), the update orange.
 CALL_COLOURS = {
@@ -226,8 +219,16 @@ def _draw_call(ax: Axes, p: Placed, y: int):
     e = p.event
     kind = e.name if e.name != "step" else "update" if e.boundary else "count"
     off, height = ENGINE_LANE
-    ax.barh(y + off, p.x1 - p.x0, left=p.x0, height=height, align="edge",
-            color=CALL_COLOURS[kind], edgecolor="white", linewidth=1)  # fmt: skip
+    ax.barh(
+        y + off,
+        p.x1 - p.x0,
+        left=p.x0,
+        height=height,
+        align="edge",
+        color=CALL_COLOURS[kind],
+        edgecolor="white",
+        linewidth=1,
+    )
     if e.name in ("forward", "backward") and e.micro is not None:
         labels = [f"{e.name[0].upper()}{e.micro}"]
     elif kind == "update":
@@ -243,10 +244,27 @@ def _draw_collective(ax: Axes, p: Placed, y: int):
     colour = KIND_COLOURS.get(e.kind, OTHER_COLOUR)
     off, height = COLLECTIVE_LANE
     if p.ready > p.x0:  # waiting for the other ranks: hatched, pale
-        ax.barh(y + off, p.ready - p.x0, left=p.x0, height=height, align="edge",
-                color="white", edgecolor=colour, hatch="///", linewidth=0.8)  # fmt: skip
-    ax.barh(y + off, p.x1 - p.ready, left=p.ready, height=height, align="edge",
-            color=colour, edgecolor="white", linewidth=1)  # fmt: skip
+        ax.barh(
+            y + off,
+            p.ready - p.x0,
+            left=p.x0,
+            height=height,
+            align="edge",
+            color="white",
+            edgecolor=colour,
+            hatch="///",
+            linewidth=0.8,
+        )
+    ax.barh(
+        y + off,
+        p.x1 - p.ready,
+        left=p.ready,
+        height=height,
+        align="edge",
+        color=colour,
+        edgecolor="white",
+        linewidth=1,
+    )
     labels = [f"{e.kind}\n{_bytes(e.bytes)}", _bytes(e.bytes)]  # the kind, as in the legend
     width = p.x1 - p.ready
     _label(ax, labels, (p.ready + p.x1) / 2, y + off + height / 2, width, "white")
@@ -257,8 +275,9 @@ def _bytes(n: int) -> str:
 
 
 def _label(ax: Axes, candidates: list[str], x: float, y: float, width: float, colour: str):
-    text = ax.text(x, y, candidates[0], ha="center", va="center", color=colour,
-                   linespacing=1.15, zorder=4)  # fmt: skip
+    text = ax.text(
+        x, y, candidates[0], ha="center", va="center", color=colour, linespacing=1.15, zorder=4
+    )
     text._gas_lab_candidates = candidates  # the shorter spellings to try if it does not fit
     text._gas_lab_box = (x - width / 2, x + width / 2)
     text.set_in_layout(False)
@@ -345,89 +364,3 @@ def plot_side_by_side(
         fig.suptitle(title)
     _fit_labels(fig)
     return fig
-
-
-# ---------------------------------------------------------------- JupyterLab
-def timeline_explorer(cluster, n_max: int = 4, **start):
-    """Library, mode, stage and N per rank as controls, and the timeline they give, recorded on
-    ``cluster``'s ranks (each setting once, then kept). ``start``: the first setting (library,
-    stage, mode, micro_batches). Without ipywidgets: that setting's static figure."""
-    if w is None:
-        return plot_timeline(record_on(cluster, **{**EXPLORER_START, **start}))
-    return TimelineExplorer(cluster, n_max, **start)
-
-
-EXPLORER_START = {"library": "gas_lab", "stage": 0, "mode": "unmanaged", "micro_batches": [3, 1]}
-
-
-class TimelineExplorer(w.VBox if w is not None else object):
-    """The explorer's box: (library, mode, stage, one N slider per rank, message, figure).
-
-    ``recorded`` holds the events of every setting run so far, so a test can tell a redraw
-    from a new recording.
-    """
-
-    def __init__(self, cluster, n_max: int = 4, **start):
-        start = {**EXPLORER_START, **start}
-        self.cluster, self.recorded, self._svg = cluster, {}, ""
-        counts = list(start["micro_batches"])
-        counts = counts * cluster.world_size if len(counts) == 1 else counts
-        style = {"description_width": "7em"}
-
-        def buttons(name, options):
-            return w.ToggleButtons(options=options, value=start[name], style=style,
-                                   description=name.replace("_", " "))  # fmt: skip
-
-        self.library = buttons("library", list(LIBRARY_TITLES))
-        self.mode = buttons("mode", ["managed", "unmanaged"])
-        self.stage = buttons("stage", [0, 1, 2])
-        self.ns = [
-            w.IntSlider(value=n, min=1, max=n_max, description=f"N on rank {r}", style=style)
-            for r, n in enumerate(counts)
-        ]
-        self.message, self.out = w.HTML(), w.Output()
-        controls = [self.library, self.mode, self.stage, *self.ns]
-        super().__init__([*controls, self.message, self.out])
-        for control in controls:
-            control.observe(self.redraw, names="value")
-        self.redraw()
-
-    def settings(self) -> dict:
-        return {
-            "library": self.library.value,
-            "stage": self.stage.value,
-            "mode": self.mode.value,
-            "micro_batches": [s.value for s in self.ns],
-        }
-
-    def redraw(self, _change: object = None) -> None:
-        """Record the setting if new (a DeepSpeed start costs about a second), then draw it;
-        a setting that cannot run says why and keeps the last picture."""
-        from IPython.display import display
-
-        s = self.settings()
-        try:
-            check_plan(s["library"], s["stage"], s["mode"], s["micro_batches"], 1, len(self.ns))
-        except PlanError as e:
-            self.message.value = f"<b>Not run:</b> {html.escape(e.reason)}"
-            return
-        key = repr(sorted(s.items()))
-        if key not in self.recorded:
-            self.recorded[key] = record_on(self.cluster, **s)
-        ns = ", ".join(map(str, s["micro_batches"]))
-        self.message.value = html.escape(
-            f"{LIBRARY_TITLES[s['library']]}, stage {s['stage']}, {s['mode']}, N = {ns}"
-        )
-        fig = plot_timeline(self.recorded[key])
-        plt.close(fig)  # drawn only into SVG: keep pyplot from showing it again
-        self._svg = svg(fig)
-        with self.out:
-            self.out.clear_output(wait=True)
-            display({"image/svg+xml": self._svg}, raw=True)
-
-    def _repr_mimebundle_(self, **kwargs) -> dict:
-        """The live widget, plus a still picture for viewers without a kernel."""
-        return with_still_picture(
-            super()._repr_mimebundle_(**kwargs), f"timeline explorer ({self.message.value})",
-            self._svg, "its buttons and sliders record and redraw it",
-        )  # fmt: skip

@@ -161,9 +161,11 @@ class AccumulationExplorer(w.VBox):
     def _repr_mimebundle_(self, **kwargs) -> dict:
         """The live widget, plus a picture of its current state for viewers without a kernel."""
         return with_still_picture(
-            super()._repr_mimebundle_(**kwargs), f"explorer ({html.escape(self.label.value)})",
-            self._svg, "its sliders and menu redraw the plot live",
-        )  # fmt: skip
+            super()._repr_mimebundle_(**kwargs),
+            f"explorer ({html.escape(self.label.value)})",
+            self._svg,
+            "its sliders and menu redraw the plot live",
+        )
 
 
 def accumulation_explorer(n_max: int = 8) -> AccumulationExplorer:

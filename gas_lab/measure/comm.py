@@ -21,7 +21,7 @@ in backward() (lesson 09 counts them phase by phase: :class:`Phase`).
 
 :func:`ring_bytes` turns a log into a *model* of the bytes each rank sends on a ring. Each call
 also keeps when it ran and the torch.distributed function it reached, for timelines
-(:mod:`gas_lab.measure.timeline`).
+(:mod:`gas_lab.measure.recording`).
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ class Collective:
     bytes: int  # size of the full buffer: the largest tensor argument (a list counts summed)
     group_size: int  # ranks taking part
     dtype: str = ""  # of the first tensor argument, e.g. "float32" ("" for a barrier)
-    # For timelines (gas_lab.measure.timeline), left out of comparisons: the torch.distributed
+    # For timelines (gas_lab.measure.recording), left out of comparisons: the torch.distributed
     # function the call reached ("all_gather_into_tensor" under DeepSpeed's allgather_fn), and
     # time.perf_counter_ns() when the call entered and left the wrapper.
     op: str = field(default="", compare=False)

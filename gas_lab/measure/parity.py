@@ -6,9 +6,6 @@ collectives issued are compared. Call it on every rank (it performs collectives)
 
     result = run_parity(config, steps=3)
     assert result.max_abs_diff <= 1e-6 and result.counters_equal
-
-:func:`check_rule` does the same for refusals: it runs a rule's example on both libraries and
-returns what each raised.
 """
 
 from __future__ import annotations
@@ -26,7 +23,6 @@ from gas_lab.deepspeed_compat.config import load_config
 from gas_lab.deepspeed_compat.engine import initialize as gas_initialize
 from gas_lab.dp import init_from_env
 from gas_lab.measure.comm import Phase, count_collectives
-from gas_lab.rules import calls, refusals
 from gas_lab.toys import flat_params, micro_batch, tiny_model
 
 # A working base config for examples: tiny batches, Adam from torch (no fused-Adam JIT build).
@@ -190,21 +186,6 @@ def run_parity(config: dict, steps: int = 3, **kw) -> ParityResult:
         collectives=collectives,
         losses=losses,
     )
-
-
-def check_rule(rule: refusals.Rule, base: dict | None = None) -> dict[str, BaseException | None]:
-    """Run ``rule.example`` on gas_lab and on DeepSpeed; return what each raised (or None)."""
-    config = refusals.example_config(rule, base or BASE_CONFIG)
-    out = {}
-    for name, init in (("gas_lab", gas_initialize), ("deepspeed", deepspeed_initialize())):
-        try:
-            model = calls.model(rule.example.pipeline)
-            engine, *_ = init(model=model, model_parameters=model.parameters(), config=config)
-            calls.perform(engine, rule.example.ops)
-            out[name] = None
-        except Exception as err:  # the point is to catch and compare whatever is raised
-            out[name] = err
-    return out
 
 
 def reference_params(

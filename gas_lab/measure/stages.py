@@ -46,8 +46,14 @@ def traffic(library: str, cfg: dict, ns=None, model_fn=tiny_model) -> dict:
     counted = [gas] if ns is None else list(ns)
     plan = ([gas] if managed else [1]) * WARMUP + counted
     phases: list = []
-    train(initializer(library), cfg, len(plan), None if managed else plan, phases=phases,
-          model_fn=model_fn)  # fmt: skip
+    train(
+        initializer(library),
+        cfg,
+        len(plan),
+        None if managed else plan,
+        phases=phases,
+        model_fn=model_fn,
+    )
     world = dist.get_world_size() if dist.is_initialized() else 1
     return {
         "phases": phases,

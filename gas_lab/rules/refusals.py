@@ -7,8 +7,8 @@ wait for a boundary that never comes there, so DeepSpeed refuses it. Each :class
 the condition, why it is refused, what it prevents (wrong weights, extra communication or a
 crash later in the loop: not always silent), the moment it fires
 (``initialize``, ``call`` or ``context``: entering a with-block) and what DeepSpeed 0.19.8
-raises, measured by ``python -m gas_lab.rules.matrix`` into ``data/deepspeed_0.19.8_matrix.json``.
-A rule is checked at one engine call, its ``action`` (named in :mod:`gas_lab.rules.calls`).
+raises, measured by ``python -m gas_lab.measure.matrix`` into ``data/deepspeed_0.19.8_matrix.json``.
+A rule is checked at one engine call, its ``action`` (named in :mod:`gas_lab.rules.operations`).
 Where two rules apply at the same call, the one DeepSpeed checks first fires: its ``order``,
 by which :data:`ALL_RULES` is sorted. At ``initialize`` the hundreds say where DeepSpeed checks:
 1xx while its config is parsed (``DeepSpeedConfig``), 2xx in its engine's sanity checks, 3xx
@@ -18,11 +18,11 @@ then what fails deeper inside it. The measured matrix holds every case where two
 * :data:`RULES`: the refusals gas_lab enforces itself, at the same moment as DeepSpeed
   (the config and the engine of :mod:`gas_lab.deepspeed_compat` call :func:`enforce`).
 * :data:`DEEPSPEED_ONLY`: refusals DeepSpeed makes where gas_lab stops earlier (ZeRO-3, fp16
-  are out of scope); kept for the table and for ``gas_lab.rules.prediction.predict``.
+  are out of scope); kept for the table and for ``gas_lab.measure.prediction.predict``.
 * :data:`OUT_OF_SCOPE`: what DeepSpeed accepts but gas_lab does not teach: those raise
   :class:`NotImplementedInGasLab`, which points you to ``deepspeed.initialize``.
 
-Next door: ``gas_lab/rules/prediction.py`` evaluates these rules on a config and a script of engine
+Next door: ``gas_lab/measure/prediction.py`` evaluates these rules on a config and a script of engine
 calls and holds the measured matrix they are checked against; ``gas_lab/rules/traps.py`` lists what
 DeepSpeed *accepts* that still trains wrong.
 """
@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gas_lab.errors import NotImplementedInGasLab, RejectedCombination
-from gas_lab.rules.calls import ACTIONS
+from gas_lab.rules.operations import ACTIONS
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ class Situation:
     """What a rule looks at: the validated config and what the caller is doing right now."""
 
     config: Any  # a gas_lab.deepspeed_compat.config.GasConfig (duck-typed: rules sit below it)
-    action: str | None = "initialize"  # the engine call (gas_lab.rules.calls); None: unchecked
+    action: str | None = "initialize"  # the engine call (gas_lab.rules.operations); None: unchecked
     inside_no_sync: bool = False
     pipeline: bool = False  # the model is a DeepSpeed PipelineModule
     idle: bool = False  # a step() that would update, with no backward() since the last update
@@ -57,7 +57,7 @@ class Situation:
 @dataclass(frozen=True)
 class Example:
     """How to trigger a rule: config overrides (merged into a working config) and the ops of
-    :mod:`gas_lab.rules.calls` to run after ``initialize`` (none: initialize alone)."""
+    :mod:`gas_lab.rules.operations` to run after ``initialize`` (none: initialize alone)."""
 
     config: dict = field(default_factory=dict)
     ops: tuple[str, ...] = ()
@@ -72,7 +72,7 @@ class Rule:
     """One refusal: when it is checked, why, what it prevents, and what DeepSpeed raises."""
 
     name: str
-    action: str  # the engine call it is checked at (gas_lab.rules.calls.ACTIONS)
+    action: str  # the engine call it is checked at (gas_lab.rules.operations.ACTIONS)
     moment: str  # measured: "initialize", "call" (a method) or "context" (entering a with-block)
     keys: tuple[str, ...]  # the config keys or API calls involved, for the message
     condition: str  # one line, for tables
@@ -268,7 +268,7 @@ _WRITTEN: list[Rule] = [
         and s.config.model_dtype != s.config.grad_accum_dtype,
         order=330,
     ),
-    # -- lessons 05 and 08: where the mean divides (gas_lab/measure/edges.py, division) --------
+    # -- lessons 05 and 08: where the mean divides (gas_lab/measure/mean_division.py) --------
     Rule(
         "predivide_stage2", "initialize", "initialize",
         ("zero_optimization.stage=2", "gradient_predivide_factor"),
@@ -588,13 +588,13 @@ OUT_OF_SCOPE: list[OutOfScope] = [
     ),
 ]  # fmt: skip
 
-# Names of rules switched off for the current context: only gas_lab.rules.unsafe sets it.
+# Names of rules switched off for the current context: only gas_lab.measure.unsafe sets it.
 _SKIPPED: contextvars.ContextVar[frozenset] = contextvars.ContextVar("skipped", default=frozenset())
 
 
 @contextlib.contextmanager
 def skipping(names: Iterable[str]):
-    """Switch rules (or out-of-scope entries) off inside the block. For gas_lab.rules.unsafe only."""
+    """Switch rules (or out-of-scope entries) off inside the block. For gas_lab.measure.unsafe only."""
     token = _SKIPPED.set(_SKIPPED.get() | frozenset(names))
     try:
         yield

@@ -5,7 +5,7 @@ update of a bf16 run on 2 ranks at ZeRO stage 0 or 1, bit for bit, from every ra
 micro-batch gradients (bf16, as backward wrote them), the accumulation dtype
 (``data_types.grad_accum_dtype``) and the communication dtype (``communication_data_type``).
 The data are the appendix's: the tiny model's real micro-batch gradients
-(:func:`gas_lab.measure.edges.micro_gradients`) for ranks 0 and 1.
+(:func:`gas_lab.measure.bf16_gradients.micro_gradients`) for ranks 0 and 1.
 ``tests/test_appendix_a2_exercises.py`` holds :func:`reference` equal to what DeepSpeed's
 optimizer receives on real ranks.
 
@@ -79,7 +79,7 @@ def _variants(micro_grads, accumulate, communicate) -> dict[str, tuple[torch.Ten
 
 def _case(fn: Callable, n: int, accumulate, communicate) -> Callable[[], tuple]:
     def run():
-        from gas_lab.measure.edges import micro_gradients
+        from gas_lab.measure.bf16_gradients import micro_gradients
 
         grads = [micro_gradients(n, rank=r) for r in range(WORLD)]
         given = [[g.clone() for g in rank] for rank in grads]  # the learner may change them
@@ -94,12 +94,16 @@ def _judge(result) -> Miss | None:
     if not torch.is_tensor(got):
         return Miss(f"returned {type(got).__name__}; expected a tensor")
     if got.shape != want.shape:
-        return Miss(f"returned shape {tuple(got.shape)}; expected {tuple(want.shape)}, one "
-                    "element per parameter element")  # fmt: skip
+        return Miss(
+            f"returned shape {tuple(got.shape)}; expected {tuple(want.shape)}, one "
+            "element per parameter element"
+        )
     if got.dtype != torch.float32:
-        return Miss(f"returned {str(got.dtype).removeprefix('torch.')}; the optimizer steps on "
-                    "fp32 master weights and receives float32",
-                    "convert the result with .float() at the end.")  # fmt: skip
+        return Miss(
+            f"returned {str(got.dtype).removeprefix('torch.')}; the optimizer steps on "
+            "fp32 master weights and receives float32",
+            "convert the result with .float() at the end.",
+        )
     if torch.equal(got, want):
         return None
     exact = _exact(grads)
@@ -108,9 +112,11 @@ def _judge(result) -> Miss | None:
         return ((x.double() - exact).norm() / exact.norm()).item()
 
     differing = int((got != want).sum())
-    differs = (f"{differing} of {want.numel()} elements differ from what DeepSpeed's optimizer "
-               f"receives; relative error against the exact mean: yours {error(got):.2e}, "
-               f"DeepSpeed's {error(want):.2e}")  # fmt: skip
+    differs = (
+        f"{differing} of {want.numel()} elements differ from what DeepSpeed's optimizer "
+        f"receives; relative error against the exact mean: yours {error(got):.2e}, "
+        f"DeepSpeed's {error(want):.2e}"
+    )
     for variant, fix in _variants(grads, accumulate, communicate).values():
         if torch.equal(got, variant):
             return Miss(differs, fix)
@@ -137,7 +143,7 @@ def check_optimizer_gradient(fn: Callable) -> Verdict:
             ),
             ("accumulate fp32, all-reduce fp32, N = 16", _case(fn, 16, fp32, fp32), _judge),
             ("accumulate bf16, all-reduce bf16, N = 1", _case(fn, 1, bf16, bf16), _judge),
-        ],  # fmt: skip
+        ],
         "round where the config says: each micro-batch's gradient is added into the running sum "
         "in `accumulate`; each rank's sum is cast to `communicate`; the all-reduce adds the "
         "ranks' sums in `communicate` and the mean divides by W; the optimizer gets float32.",

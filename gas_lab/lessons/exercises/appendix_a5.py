@@ -88,10 +88,13 @@ def _ranks_judge(case, got) -> Miss | None:
     if got == wrong["all sharded"] and stage in (1, 2):
         fix = (
             f"at stage {stage} only "
-            + ("the fp32 master and Adam's moments (12 bytes per parameter) are"
-               if stage == 1 else "the master, the moments and the gradients (14 bytes) are")
+            + (
+                "the fp32 master and Adam's moments (12 bytes per parameter) are"
+                if stage == 1
+                else "the master, the moments and the gradients (14 bytes) are"
+            )
             + " sharded; the rest stays whole on every rank, whatever W is."
-        )  # fmt: skip
+        )
     elif got == wrong["fp32 sizes"]:
         fix = (
             "bf16 mixed precision holds 2 + 2 + 12 bytes per parameter: bf16 weights and "
@@ -108,8 +111,10 @@ def _ranks_judge(case, got) -> Miss | None:
     held = bf16_bytes_per_rank(params, stage, got) / 1e9
     if held > gb:
         return Miss(f"with W = {got} a rank holds {held:.1f} GB, over the {gb:g} GB budget.", fix)
-    return Miss(f"W = {got} fits ({held:.1f} GB), but fewer ranks fit too.",
-                fix or "return the SMALLEST W that fits.")  # fmt: skip
+    return Miss(
+        f"W = {got} fits ({held:.1f} GB), but fewer ranks fit too.",
+        fix or "return the SMALLEST W that fits.",
+    )
 
 
 def _with_time_limit(fn: Callable, *args):

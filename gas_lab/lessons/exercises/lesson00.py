@@ -65,8 +65,10 @@ def check_gather_ragged(fn, cluster) -> Verdict:
                 if got == want:
                     continue
                 if got is None:
-                    return Miss(f"rank {rank} returned None; expected {want}.",
-                                "return the gathered values, as a tensor.")  # fmt: skip
+                    return Miss(
+                        f"rank {rank} returned None; expected {want}.",
+                        "return the gathered values, as a tensor.",
+                    )
                 if got == _values(rank, lengths[rank]):
                     return Miss(f"rank {rank} returned only its own values {got}; expected {want}.")
                 if [v for v in got if v != 0.0] == want:
@@ -117,8 +119,10 @@ def check_any_rank_overflowed(fn, cluster) -> Verdict:
 
         def problem(results) -> Miss | None:
             if any(r is None for r in results):
-                return Miss(f"a rank returned None ({results}); expected {want} on every rank.",
-                            "return True or False.")  # fmt: skip
+                return Miss(
+                    f"a rank returned None ({results}); expected {want} on every rank.",
+                    "return True or False.",
+                )
             if len(set(results)) > 1:
                 return Miss(
                     f"the ranks disagree: {results} for losses {losses}; expected {want} on every "

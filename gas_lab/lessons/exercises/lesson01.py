@@ -116,8 +116,9 @@ def _judge_stream(r: dict) -> Miss | None:
         )
     mean_of_means = accumulate_gradients(TinySeqModel(seed=2), r["micro"], token_loss)
     if compare_grads(got, mean_of_means).max_rel < TOL:
-        return Miss(f"this is mean of means (each micro-batch divided by its own tokens and N); "
-                    f"{off}.")  # fmt: skip
+        return Miss(
+            f"this is mean of means (each micro-batch divided by its own tokens and N); {off}."
+        )
     return Miss(f"the gradient differs from the window's per-token gradient: {err}.")
 
 

@@ -93,15 +93,19 @@ def check_bucketed_average(fn: Callable, cluster) -> Verdict:
                         "back into the gradients.",
                     )
                 if summed <= TOL:
-                    return Miss(f"rank {rank} holds {world}x the average over ranks.",
-                                "divide the sum by the world size.")  # fmt: skip
+                    return Miss(
+                        f"rank {rank} holds {world}x the average over ranks.",
+                        "divide the sum by the world size.",
+                    )
                 return Miss(f"rank {rank}'s gradients are {err:.2g} away from the average.")
             calls = per_rank[0]["calls"]
             got = [nbytes for kind, nbytes in calls if kind == "all_reduce"]
             if len(got) != len(calls):
                 other = sorted({kind for kind, _ in calls} - {"all_reduce"})
-                return Miss(f"right values, but the ranks also called {other}.",
-                            "one dist.all_reduce per bucket, no other collective.")  # fmt: skip
+                return Miss(
+                    f"right values, but the ranks also called {other}.",
+                    "one dist.all_reduce per bucket, no other collective.",
+                )
             if got == want_calls:
                 return None
             rule = f"tensors of {sizes} bytes, bucket_bytes {bucket_bytes}"

@@ -150,16 +150,25 @@ def _prediction_case(fn: Callable, letter: str, cluster):
         if got == (micro, steps, samples):
             return None
         # What differs, never DeepSpeed's numbers: they are the answer.
-        wrong = [f"{name} ({g})" for name, g, m in zip(COUNTERS, got, (micro, steps, samples),
-                                                        strict=True) if g != m]  # fmt: skip
-        right = [name for name, g, m in zip(COUNTERS, got, (micro, steps, samples), strict=True)
-                 if g == m]  # fmt: skip
+        wrong = [
+            f"{name} ({g})"
+            for name, g, m in zip(COUNTERS, got, (micro, steps, samples), strict=True)
+            if g != m
+        ]
+        right = [
+            name
+            for name, g, m in zip(COUNTERS, got, (micro, steps, samples), strict=True)
+            if g == m
+        ]
         differs = (
             f"you said {got}: your {' and '.join(wrong)} "
             f"{'is' if len(wrong) == 1 else 'are'} not what DeepSpeed counted"
-            + (f"; {' and '.join(right)} {'is' if len(right) == 1 else 'are'} right." if right
-               else ".")
-        )  # fmt: skip
+            + (
+                f"; {' and '.join(right)} {'is' if len(right) == 1 else 'are'} right."
+                if right
+                else "."
+            )
+        )
         backwards = script.ops.count("backward")
         train_batch = MICRO * script.gas * cluster.world_size
         if got[0] != micro and got[0] == backwards:

@@ -15,13 +15,14 @@ the fix comes on a second wrong try of the same case, or from :func:`hint`.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from gas_lab.lessons.exercises.on_ranks import measured_once, run_on_ranks
-from gas_lab.lessons.exercises.verdict import Miss, Verdict, answer_for, check_cases
+from gas_lab.lessons.exercises import traffic
+from gas_lab.lessons.exercises.on_ranks import run_on_ranks
+from gas_lab.lessons.exercises.traffic import Traffic
+from gas_lab.lessons.exercises.verdict import Miss, Verdict, check_cases
 from gas_lab.lessons.exercises.verdict import hint as hint  # lessonNN.hint()
 from gas_lab.toys import micro_batch, tiny_model
 from gas_lab.zero1 import Layout
@@ -142,42 +143,14 @@ def check_shard_accumulation(fn: Callable, cluster) -> Verdict:
 
 
 # ---------------------------------------------------------------- exercise 2: predict the traffic
-@dataclass(frozen=True)
-class Traffic:
-    """A one-step optimizer run whose collectives the learner predicts."""
-
-    library: str  # "deepspeed", or "gas_lab" for ZeRO-1 with a reduce-scatter
-    stage: int
-    managed: bool
-    micro_batches: int  # in the step (= GAS when managed)
-    clipping: float
-    hidden: int = 8  # tiny_model's hidden width: 8 gives the lesson's 58 weights
-    zero: tuple = ()  # more zero_optimization keys, as (key, value) pairs
-
-    @property
-    def numel(self) -> int:
-        return sum(p.numel() for p in tiny_model(0, hidden=self.hidden).parameters())
-
-    def show(self) -> str:
-        mode = "managed" if self.managed else "unmanaged"
-        reduce = ", gradients reduce-scattered" if self.library == "gas_lab" else ""
-        keys = "".join(f", {k} {str(v).lower()}" for k, v in self.zero)
-        return (
-            f"{self.library}, ZeRO stage {self.stage}{reduce}{keys}, {mode}, "
-            f"{self.micro_batches} micro-batches, gradient_clipping {self.clipping}, a model of "
-            f"{self.numel} weights, one optimizer step"
-        )
-
-
 TRAFFIC = {
     "A": Traffic("deepspeed", 0, False, 3, 0.0),
     "B": Traffic("deepspeed", 1, True, 3, 0.0),
     "C": Traffic("deepspeed", 1, False, 2, 1.0, hidden=5),
-    "D": Traffic("gas_lab", 1, False, 2, 1.0, hidden=5),
-    "E": Traffic(
-        "deepspeed", 1, False, 2, 1.0, hidden=5, zero=(("use_multi_rank_bucket_allreduce", False),)
-    ),  # fmt: skip
-}
+    "D": Traffic("gas_lab", 1, False, 2, 1.0, hidden=5, reduce="reduce_scatter"),
+    "E": Traffic("deepspeed", 1, False, 2, 1.0, hidden=5,
+                 zero=(("use_multi_rank_bucket_allreduce", False),)),
+}  # fmt: skip
 
 
 def _config(t: Traffic) -> dict:
@@ -202,7 +175,7 @@ def _measure_traffic(t: Traffic) -> dict[str, tuple[int, int]]:
     from gas_lab.measure.parity import deepspeed_initialize, quiet_deepspeed
 
     if t.library == "gas_lab":
-        init = functools.partial(initialize, strategy=strategy_for(1, reduce="reduce_scatter"))
+        init = functools.partial(initialize, strategy=strategy_for(1, reduce=t.reduce))
     else:
         init = deepspeed_initialize()
     model = tiny_model(0, hidden=t.hidden)
@@ -220,27 +193,7 @@ def _measure_traffic(t: Traffic) -> dict[str, tuple[int, int]]:
 
 def measured_traffic(letter: str, cluster) -> dict[str, tuple[int, int]]:
     """Run ``letter``'s collectives, measured on the ranks (once per session)."""
-    return measured_once(
-        ("lesson05 traffic", letter, cluster.world_size),
-        lambda: cluster.run(_measure_traffic, TRAFFIC[letter], timeout=300)[0],
-    )
-
-
-def traffic_differences(got: dict, want: dict) -> str:
-    """What differs between two ``{kind: (calls, bytes)}``, kind by kind, without the measured
-    numbers (lessons 05 and 09: a first wrong try must not hand out the answer)."""
-    parts = []
-    for kind in sorted(set(got) | set(want)):
-        if kind not in want:
-            parts.append(f"you listed {kind}, which the run does not issue")
-        elif kind not in got:
-            parts.append(f"the run also issues {kind}")
-        else:
-            for i, what in enumerate(("calls", "bytes")):
-                if got[kind][i] != want[kind][i]:
-                    side = "too many" if got[kind][i] > want[kind][i] else "too few"
-                    parts.append(f"{kind}: {side} {what}")
-    return "; ".join(parts)
+    return traffic.measured_traffic("lesson05", TRAFFIC, _measure_traffic, letter, cluster)
 
 
 def _traffic_fix(t: Traffic, world: int, got: dict, want: dict) -> str | None:
@@ -270,34 +223,17 @@ def _traffic_fix(t: Traffic, world: int, got: dict, want: dict) -> str | None:
     return None
 
 
-def _traffic_case(fn: Callable, letter: str, cluster):
-    t = TRAFFIC[letter]
-
-    def run():
-        got = answer_for(fn, letter, "{'A': {'all_reduce': (1, 232)}, ...}")
-        return got, measured_traffic(letter, cluster)
-
-    def judge(result) -> Miss | None:
-        got, want = result
-        if not isinstance(got, dict):
-            return Miss(f"answer a dict {{kind: (calls, bytes)}}, got {got!r}.")
-        got = {k: tuple(int(v) for v in cb) for k, cb in got.items() if tuple(cb) != (0, 0)}
-        if got == want:
-            return None
-        return Miss(
-            traffic_differences(got, want) + ".", _traffic_fix(t, cluster.world_size, got, want)
-        )
-
-    return (f"run {letter}", run, judge)
-
-
 def check_traffic_predictions(fn: Callable[[], dict], cluster) -> Verdict:
     """Exercise 2: ``fn()`` returns ``{"A": {"all_reduce": (calls, bytes), ...}, ...}``: per
     run of :data:`TRAFFIC`, every kind of collective with its calls and bytes (the full buffer
     of each call, as ``count_collectives`` counts it), summed over the run, on one rank."""
-    return check_cases(
-        "predict the traffic",
-        [_traffic_case(fn, letter, cluster) for letter in TRAFFIC],
+    return traffic.check_traffic_predictions(
+        fn,
+        cluster,
+        "lesson05",
+        TRAFFIC,
+        _measure_traffic,
+        _traffic_fix,
         "per optimizer step: the gradient reduction (an all-reduce of the real elements, or a "
         "reduce-scatter of the padded vector), a 4-byte norm all-reduce when clipping (and at "
         "stage 1 always), and at stage 1 an all-gather of the padded weights.",

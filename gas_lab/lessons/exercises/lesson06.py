@@ -3,10 +3,10 @@
 1. :func:`check_predictions`: eight combinations the lesson did not run, each a stage or a mode
    away from one it did. Predict what DeepSpeed does: accept, or raise at which call. The
    checker measures every scenario *now*, on real DeepSpeed on the notebook's ranks (the same
-   code as ``python -m gas_lab.rules.matrix``).
+   code as ``python -m gas_lab.measure.matrix``).
 2. :func:`check_new_rule`: a combination the committed matrix never measured, pipeline
    parallelism with ZeRO stage 2 or 3. Write DeepSpeed's refusal as a :class:`Rule`; the
-   checker measures the new cases live and runs ``gas_lab.rules.prediction`` with your rule
+   checker measures the new cases live and runs ``gas_lab.measure.prediction`` with your rule
    added over them *and* over every committed case, which must all still come out right.
 
 Both take the notebook's ``cluster``. A first wrong try says what differs and where to look;
@@ -23,11 +23,11 @@ from gas_lab.deepspeed_compat.config import ConfigError, parse
 from gas_lab.lessons.exercises.on_ranks import measured_once
 from gas_lab.lessons.exercises.verdict import Miss, Verdict, answer_for, check_cases
 from gas_lab.lessons.exercises.verdict import hint as hint  # lessonNN.hint()
-from gas_lab.rules import matrix, prediction
-from gas_lab.rules.calls import ACTIONS, call_of, situation_action
+from gas_lab.measure import matrix, prediction
+from gas_lab.rules.operations import ACTIONS, call_of, situation_action
 from gas_lab.rules.refusals import Rule, Situation, first_violation
 
-#: What a learner may answer: "accepted", or the engine call that raises (gas_lab.rules.calls).
+#: What a learner may answer: "accepted", or the engine call that raises (gas_lab.rules.operations).
 ANSWERS = ("accepted", *ACTIONS)
 # letter -> (a case of the measured matrix the lesson did not run, why DeepSpeed does what it
 # does: the fix a second wrong try shows)

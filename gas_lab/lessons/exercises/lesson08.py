@@ -62,19 +62,29 @@ def _judge_sum(result) -> Miss | None:
     dot = sum((got[k].double() * ref[k].double()).sum() for k in ref)
     factor = (dot / sum(ref[k].double().pow(2).sum() for k in ref)).item()
     if compare_grads(got, {k: v * factor for k, v in ref.items()}).max_rel < TOL:
-        differs = (f"the summed update points where the big batch's per-token gradient points, "
-                   f"but is {factor:.3g} x its size (expected 1 x)")  # fmt: skip
+        differs = (
+            f"the summed update points where the big batch's per-token gradient points, "
+            f"but is {factor:.3g} x its size (expected 1 x)"
+        )
         if abs(factor * gas - 1) < 1e-3:
-            return Miss(differs, "engine.backward(loss) divides every loss by "
-                        "gradient_accumulation_steps; with gas micro-batches per rank, multiply "
-                        "by gas to undo it.")  # fmt: skip
+            return Miss(
+                differs,
+                "engine.backward(loss) divides every loss by "
+                "gradient_accumulation_steps; with gas micro-batches per rank, multiply "
+                "by gas to undo it.",
+            )
         if abs(factor - w) < 1e-3 or abs(factor - w / gas) < 1e-3:
-            return Miss(differs, "with the sum all-reduce nothing divides by world_size, so "
-                        "there is nothing for x world_size to undo.")  # fmt: skip
+            return Miss(
+                differs,
+                "with the sum all-reduce nothing divides by world_size, so "
+                "there is nothing for x world_size to undo.",
+            )
         return Miss(differs)
-    return Miss(f"the summed update points elsewhere than the big batch's per-token gradient "
-                f"({err})", "every real token of the step, on every rank, must weigh the same: "
-                "divide by all_tokens, not by this rank's rank_tokens.")  # fmt: skip
+    return Miss(
+        f"the summed update points elsewhere than the big batch's per-token gradient ({err})",
+        "every real token of the step, on every rank, must weigh the same: "
+        "divide by all_tokens, not by this rank's rank_tokens.",
+    )
 
 
 def check_sum_loss(fn: Callable) -> Verdict:
@@ -93,7 +103,7 @@ def check_sum_loss(fn: Callable) -> Verdict:
             ("1 rank, GAS 4", case(1, 1, 4), _judge_sum),
             ("2 ranks, GAS 4", case(2, 3, 4), _judge_sum),
             ("3 ranks, GAS 2", case(3, 1, 2), _judge_sum),
-        ],  # fmt: skip
+        ],
         "the sum all-reduce adds the ranks' gradients (no / world_size) and backward() still "
         "divides every loss by gradient_accumulation_steps.",
         where="section 5 (*Sum or mean*): lesson 07's loss and its sum variant",
@@ -153,20 +163,25 @@ def _judge_resume(result) -> Miss | None:
     right = sum(sizes[:steps])  # the first micro-batch of the window that was open
     n = sum(sizes)
     if diff is None:
-        return Miss(f"returned {start!r}; expected an index into the stream of {n} micro-batches "
-                    f"(0 to {n - 1})")  # fmt: skip
+        return Miss(
+            f"returned {start!r}; expected an index into the stream of {n} micro-batches "
+            f"(0 to {n - 1})"
+        )
     if start == right and diff <= 1e-6:
         return None
     ends = f"the resumed run ends {diff:.1e} away from the uninterrupted one"
     if start < right:
-        return Miss(f"restarting at micro-batch {start}: {_span(start, right - 1, 'run')} twice, "
-                    f"though the {steps} applied steps already hold them; {ends}",
-                    "global_steps counts the steps whose update happened: every micro-batch "
-                    "of those steps is in the loaded weights. Start after them.")  # fmt: skip
-    return Miss(f"restarting at micro-batch {start}: {_span(right, start - 1, 'never run')} "
-                f"(step {steps} was open at the save); {ends}",
-                "the open window's gradients were not saved: redo that window from its first "
-                "micro-batch.")  # fmt: skip
+        return Miss(
+            f"restarting at micro-batch {start}: {_span(start, right - 1, 'run')} twice, "
+            f"though the {steps} applied steps already hold them; {ends}",
+            "global_steps counts the steps whose update happened: every micro-batch "
+            "of those steps is in the loaded weights. Start after them.",
+        )
+    return Miss(
+        f"restarting at micro-batch {start}: {_span(right, start - 1, 'never run')} "
+        f"(step {steps} was open at the save); {ends}",
+        "the open window's gradients were not saved: redo that window from its first micro-batch.",
+    )
 
 
 def check_resume_position(fn: Callable) -> Verdict:
@@ -186,7 +201,7 @@ def check_resume_position(fn: Callable) -> Verdict:
                 _judge_resume,
             ),
             ("steps of 1, 1, 6, saved mid step 2", _resume_case(fn, [1, 1, 6], 3), _judge_resume),
-        ],  # fmt: skip
+        ],
         "the checkpoint holds global_steps, the number of steps whose update happened; every "
         "micro-batch of those steps is in the weights, none of the open window's is.",
         where="section 4 (*Resume mid-window*): the three plans and the safe place to save",
@@ -239,8 +254,13 @@ def _scenario(fn: Callable, tokens: list[int], per_update: float, save_after: in
     if isinstance(count, bool) or not isinstance(count, (int, float)):
         return {"count": count, "got": None}
     got = _clocked(fresh, tokens[save_after:], per_update, seen=count)
-    return {"count": count, "truth": sum(tokens[:save_after]), "got": got, "want": want,
-            "matches": {k for k, v in candidates.items() if math.isclose(count, v)}}  # fmt: skip
+    return {
+        "count": count,
+        "truth": sum(tokens[:save_after]),
+        "got": got,
+        "want": want,
+        "matches": {k for k, v in candidates.items() if math.isclose(count, v)},
+    }
 
 
 # A second run (other tokens, another save point) each case also asks fn about: a mistake is
@@ -273,9 +293,11 @@ def _judge_count(result) -> Miss | None:
     if all(math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12) for a, b in pairs):
         return None
     k = next(i for i, (a, b) in enumerate(pairs) if not math.isclose(a, b, rel_tol=1e-9))
-    differs = (f"resumed at {case['count']:g} tokens, where the run had seen {case['truth']}: "
-               f"update {k + 1} after the load set the lr to {case['got'][k]:.6g}, the "
-               f"uninterrupted run to {case['want'][k]:.6g}")  # fmt: skip
+    differs = (
+        f"resumed at {case['count']:g} tokens, where the run had seen {case['truth']}: "
+        f"update {k + 1} after the load set the lr to {case['got'][k]:.6g}, the "
+        f"uninterrupted run to {case['want'][k]:.6g}"
+    )
     same = case["matches"] & probe.get("matches", set())
     return Miss(differs, FIXES[same.pop()] if len(same) == 1 else None)
 
@@ -296,7 +318,7 @@ def check_token_count(fn: Callable) -> Verdict:
                 _count_case(fn, [7, 93, 41, 12, 150, 66], 50, 4),
                 _judge_count,
             ),
-        ],  # fmt: skip
+        ],
         "the loaded engine's lr_scheduler came back from the checkpoint, and its "
         "last_batch_iteration is the last value the clock gave it: invert token_clock.",
         where="section 3 (*Schedules under a variable number of micro-batches*), token_clock; "

@@ -15,54 +15,34 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
-from gas_lab.lessons.exercises.lesson05 import traffic_differences
-from gas_lab.lessons.exercises.on_ranks import measured_once, run_on_ranks
-from gas_lab.lessons.exercises.verdict import Miss, Verdict, answer_for, check_cases
+from gas_lab.lessons.exercises import traffic
+from gas_lab.lessons.exercises.on_ranks import run_on_ranks
+from gas_lab.lessons.exercises.traffic import Traffic
+from gas_lab.lessons.exercises.verdict import Miss, Verdict, check_cases
 from gas_lab.lessons.exercises.verdict import hint as hint  # lessonNN.hint()
 from gas_lab.toys import tiny_model
 from gas_lab.zero1 import Layout
 
-
 # ---------------------------------------------------------------- exercise 1: predict the traffic
-@dataclass(frozen=True)
-class Traffic:
-    """One steady optimizer step whose collectives the learner predicts."""
-
-    library: str
-    stage: int
-    managed: bool
-    micro_batches: int  # N unmanaged, GAS managed
-    zero: dict = field(default_factory=dict, hash=False)  # more zero_optimization keys
-    clipping: float = 1.0
-    hidden: int = 8  # tiny_model's hidden width: 8 gives the lesson's 58 weights
-
-    @property
-    def numel(self) -> int:
-        return sum(p.numel() for p in tiny_model(0, hidden=self.hidden).parameters())
-
-    def config(self) -> dict:
-        from gas_lab.measure.stages import config
-
-        return config(self.stage, self.managed, gas=self.micro_batches,
-                      zero_optimization=dict(self.zero), gradient_clipping=self.clipping)  # fmt: skip
-
-    def show(self) -> str:
-        mode = "managed, GAS" if self.managed else "unmanaged, N ="
-        extra = "".join(f", {k} {v}" for k, v in self.zero.items())
-        return (
-            f"{self.library}, ZeRO stage {self.stage}{extra}, {mode} {self.micro_batches}, "
-            f"gradient_clipping {self.clipping}, a model of {self.numel} weights"
-        )
-
-
 TRAFFIC = {
-    "A": Traffic("gas_lab", 2, False, 3, {"reduce_bucket_size": 40}),
-    "B": Traffic("deepspeed", 3, True, 2, {"stage3_param_persistence_threshold": 0}),
+    "A": Traffic("gas_lab", 2, False, 3, zero=(("reduce_bucket_size", 40),)),
+    "B": Traffic("deepspeed", 3, True, 2, zero=(("stage3_param_persistence_threshold", 0),)),
     "C": Traffic("deepspeed", 2, False, 2, clipping=0.0, hidden=5),
     "D": Traffic("deepspeed", 3, False, 3),
 }
+
+
+def _config(t: Traffic) -> dict:
+    from gas_lab.measure.stages import config
+
+    return config(
+        t.stage,
+        t.managed,
+        gas=t.micro_batches,
+        zero_optimization=dict(t.zero),
+        gradient_clipping=t.clipping,
+    )
 
 
 def _measure_traffic(t: Traffic) -> dict[str, tuple[int, int]]:
@@ -71,7 +51,7 @@ def _measure_traffic(t: Traffic) -> dict[str, tuple[int, int]]:
 
     model_fn = functools.partial(tiny_model, hidden=t.hidden)
     ns = None if t.managed else [t.micro_batches]
-    phases = traffic(t.library, t.config(), ns, model_fn=model_fn)["phases"]
+    phases = traffic(t.library, _config(t), ns, model_fn=model_fn)["phases"]
     out: dict[str, tuple[int, int]] = {}
     for call in (c for p in phases if p.step == WARMUP for c in p.calls):
         calls, nbytes = out.get(call.kind, (0, 0))
@@ -80,10 +60,8 @@ def _measure_traffic(t: Traffic) -> dict[str, tuple[int, int]]:
 
 
 def measured_traffic(letter: str, cluster) -> dict[str, tuple[int, int]]:
-    return measured_once(
-        ("lesson09 traffic", letter, cluster.world_size),
-        lambda: cluster.run(_measure_traffic, TRAFFIC[letter], timeout=300)[0],
-    )
+    """Run ``letter``'s collectives, measured on the ranks (once per session)."""
+    return traffic.measured_traffic("lesson09", TRAFFIC, _measure_traffic, letter, cluster)
 
 
 def _traffic_fix(t: Traffic, world: int, got: dict, want: dict) -> str | None:
@@ -94,9 +72,9 @@ def _traffic_fix(t: Traffic, world: int, got: dict, want: dict) -> str | None:
         return "ZeRO-3 all-reduces the gradient norm in float64: 8 bytes, not 4."
     if t.stage == 2 and t.clipping == 0.0 and reduce == (t.micro_batches, t.micro_batches * grad):
         return "stage 2 all-reduces the 4-byte norm even with gradient_clipping 0."
-    if "reduce_bucket_size" in t.zero and reduce[0] == t.micro_batches + 1:
+    if "reduce_bucket_size" in dict(t.zero) and reduce[0] == t.micro_batches + 1:
         return (
-            f"a bucket of {t.zero['reduce_bucket_size']} elements holds less than the "
+            f"a bucket of {dict(t.zero)['reduce_bucket_size']} elements holds less than the "
             f"{t.numel}-element gradient; it is reduced whenever the next tensor would overflow "
             "it, so each backward() needs more than one all-reduce (count them tensor by "
             "tensor, in the order autograd finishes them: last layer first)."
@@ -104,7 +82,7 @@ def _traffic_fix(t: Traffic, world: int, got: dict, want: dict) -> str | None:
     padded = 4 * Layout.of([t.numel], world).padded_numel
     if t.stage < 3 and got.get("all_gather", (0, 0))[1] == grad and padded != grad:
         return f"ZeRO-2 all-gathers the PADDED vector: {padded // 4} elements, a multiple of 2W."
-    if t.stage == 3 and t.zero.get("stage3_param_persistence_threshold") == 0:
+    if t.stage == 3 and dict(t.zero).get("stage3_param_persistence_threshold") == 0:
         if got.get("all_gather", (0, 0))[0] != want.get("all_gather", (0, 0))[0]:
             return "with the threshold at 0 every forward gathers the weights."
     if t.stage == 3 and got.get("all_gather", (0, 0))[0] == 1:
@@ -112,31 +90,16 @@ def _traffic_fix(t: Traffic, world: int, got: dict, want: dict) -> str | None:
     return None
 
 
-def _traffic_judge(t: Traffic, world: int, got, want) -> Miss | None:
-    if not isinstance(got, dict):
-        return Miss(f"answer a dict {{kind: (calls, bytes)}}, got {got!r}.")
-    got = {k: tuple(int(v) for v in cb) for k, cb in got.items() if tuple(cb) != (0, 0)}
-    if got == want:
-        return None
-    return Miss(traffic_differences(got, want) + ".", _traffic_fix(t, world, got, want))
-
-
 def check_traffic_predictions(fn: Callable[[], dict], cluster) -> Verdict:
     """Exercise 1: ``fn()`` -> ``{"A": {"all_reduce": (calls, bytes), ...}, ...}`` for each run
     of :data:`TRAFFIC`: one steady optimizer step, on one rank."""
-
-    def case(letter):
-        t = TRAFFIC[letter]
-
-        def run():
-            got = answer_for(fn, letter, "{'A': {'all_reduce': (1, 232)}, ...}")
-            return got, measured_traffic(letter, cluster)
-
-        return (f"run {letter}", run, lambda r: _traffic_judge(t, cluster.world_size, *r))
-
-    return check_cases(
-        "predict the traffic",
-        [case(letter) for letter in TRAFFIC],
+    return traffic.check_traffic_predictions(
+        fn,
+        cluster,
+        "lesson09",
+        TRAFFIC,
+        _measure_traffic,
+        _traffic_fix,
         "a fixed part per step (the norm, the all-gathers) plus the gradient once per "
         "backward() at stages 2/3; then what each run changes.",
         where="section 7 (*Bytes per optimizer step against N, stages 0 to 3*)",
@@ -166,8 +129,14 @@ def _train_with_weight(case: str, weight: Callable) -> tuple:
     micro_batches = SUM_CASES[case]
     # SGD: Adam would hide a gradient W times too large (its update barely depends on scale)
     sgd = {"type": "SGD", "params": {"lr": 0.1}}
-    cfg = config(2, managed=False, gradient_allreduce_op="sum", gradient_clipping=0.0,
-                 optimizer=sgd, zero_allow_untested_optimizer=True)  # fmt: skip
+    cfg = config(
+        2,
+        managed=False,
+        gradient_allreduce_op="sum",
+        gradient_clipping=0.0,
+        optimizer=sgd,
+        zero_allow_untested_optimizer=True,
+    )
     engine, _ = equal_n_train(initialize, cfg, 2, micro_batches, weight=weight)
     return flat_params(engine.module), reference_params(cfg, 2, micro_batches)
 

@@ -32,12 +32,6 @@ _FAILED_TRIES: dict[tuple[str, str], int] = {}
 _LAST_FAILED: list[Verdict] = []  # the latest failed verdict, for hint()
 
 
-def reset_tries() -> None:
-    """Forget every wrong try (tests start each case from a first try)."""
-    _FAILED_TRIES.clear()
-    _LAST_FAILED.clear()
-
-
 def hint() -> str:
     """The hint for the latest failed check (each lesson's checker module re-exports this:
     ``lesson03.hint()``)."""
@@ -117,13 +111,29 @@ def check_cases(
                 len(cases),
             )
         except Exception as exc:  # the learner's code crashed: say where and how
-            return _failed(exercise, name, f"raised {type(exc).__name__}: {exc}",
-                           i, len(cases), where, hint, _module_of(run))  # fmt: skip
+            return _failed(
+                exercise,
+                name,
+                f"raised {type(exc).__name__}: {exc}",
+                i,
+                len(cases),
+                where,
+                hint,
+                _module_of(run),
+            )
         problem = judge(result)
         if problem is not None:
             miss = problem if isinstance(problem, Miss) else Miss(problem)
-            return _failed(exercise, name, miss.differs, i, len(cases), where, miss.fix or hint,
-                           _module_of(run))  # fmt: skip
+            return _failed(
+                exercise,
+                name,
+                miss.differs,
+                i,
+                len(cases),
+                where,
+                miss.fix or hint,
+                _module_of(run),
+            )
     for key in [k for k in _FAILED_TRIES if k[0] == exercise]:
         del _FAILED_TRIES[key]
     return Verdict(

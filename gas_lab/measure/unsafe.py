@@ -206,8 +206,9 @@ def params_spread(flat_per_rank: list[torch.Tensor]) -> float:
 # ---------------------------------------------------------------- lesson 06's experiments
 LIBRARIES = ("gas_lab", "deepspeed")
 # The rules whose DeepSpeed check these bypasses get past (the others run on gas_lab only).
-DEEPSPEED_BYPASSES = frozenset({"unmanaged_overlap_comm", "unmanaged_set_boundary",
-                                "tensor_backward_stage0"})  # fmt: skip
+DEEPSPEED_BYPASSES = frozenset(
+    {"unmanaged_overlap_comm", "unmanaged_set_boundary", "tensor_backward_stage0"}
+)
 
 
 @dataclass
@@ -215,7 +216,7 @@ class Run:
     """What :func:`run` leaves on one rank."""
 
     params: torch.Tensor  # the rank's parameters at the end, flat
-    events: list  # its engine calls and collectives (gas_lab.measure.timeline.Event)
+    events: list  # its engine calls and collectives (gas_lab.measure.recording.Event)
     updates: int  # engine.global_steps
 
     def collectives(self) -> Counter:
@@ -247,15 +248,17 @@ def run(
     from gas_lab.deepspeed_compat.engine import initialize as gas_initialize
     from gas_lab.measure.parity import deepspeed_initialize as ds_initialize
     from gas_lab.measure.parity import quiet_deepspeed
-    from gas_lab.measure.timeline import record
+    from gas_lab.measure.recording import record
     from gas_lab.toys import flat_params, micro_batch, tiny_model
 
     skip, bypass = set(skip), contextlib.nullcontext
     if library not in LIBRARIES:
         raise ValueError(f"library {library!r}: choose from {LIBRARIES}")
     if library == "deepspeed" and skip - DEEPSPEED_BYPASSES:
-        raise ValueError(f"DeepSpeed's checks for {sorted(skip - DEEPSPEED_BYPASSES)} cannot be "
-                         "bypassed here: run them on gas_lab")  # fmt: skip
+        raise ValueError(
+            f"DeepSpeed's checks for {sorted(skip - DEEPSPEED_BYPASSES)} cannot be "
+            "bypassed here: run them on gas_lab"
+        )
     rank, model = dist.get_rank(), tiny_model(0)
     if library == "gas_lab" and skip:
         engine = initialize(model, config, skip, quiet=True)[0]
@@ -302,12 +305,18 @@ class Outcome:
     runs: dict = field(repr=False, default_factory=dict)  # library -> [Run per rank]
 
     def __str__(self) -> str:
-        comm = ", ".join(f"{n} {kind} of {size} B" for (kind, size), n in
-                         sorted(self.collectives.items())) or "none"  # fmt: skip
+        comm = (
+            ", ".join(
+                f"{n} {kind} of {size} B" for (kind, size), n in sorted(self.collectives.items())
+            )
+            or "none"
+        )
         same = {None: "not run", True: "yes", False: "NO"}[self.same_as_deepspeed]
-        return (f"{self.name}\n    ranks apart {self.spread:.1e} | from the right weights "
-                f"{self.error:.1e} | updates {self.updates} | same as DeepSpeed: {same}\n"
-                f"    collectives on rank 0: {comm}")  # fmt: skip
+        return (
+            f"{self.name}\n    ranks apart {self.spread:.1e} | from the right weights "
+            f"{self.error:.1e} | updates {self.updates} | same as DeepSpeed: {same}\n"
+            f"    collectives on rank 0: {comm}"
+        )
 
 
 def experiment(
@@ -328,10 +337,11 @@ def experiment(
     same = None
     if "deepspeed" in runs and libraries[0] != "deepspeed":
         same = all(
-            torch.equal(a.params, b.params) and a.updates == b.updates
+            torch.equal(a.params, b.params)
+            and a.updates == b.updates
             and a.collectives() == b.collectives()
             for a, b in zip(ours, runs["deepspeed"], strict=True)
-        )  # fmt: skip
+        )
     return Outcome(
         name,
         spread=params_spread([r.params for r in ours]),

@@ -13,7 +13,7 @@ measured matrix (``data/deepspeed_0.19.8_matrix.json``). Each :class:`Call` says
 * ``perform(engine, script)``: how to do it, on gas_lab's engine or DeepSpeed's alike.
 
 :func:`perform` runs a script of ops on an engine (the matrix, the rules' examples);
-:func:`situation_action` is what the engine and :mod:`gas_lab.rules.prediction` hand a rule.
+:func:`situation_action` is what the engine and :mod:`gas_lab.measure.prediction` hand a rule.
 """
 
 from __future__ import annotations
@@ -91,24 +91,45 @@ CALLS: dict[str, Call] = {
     for c in (
         Call("initialize", "initialize", True, "initialize", "initialize()", lambda e, s: None),
         Call("backward", "backward", True, "call", "backward()", _backward),
-        Call("tensor_backward", "loss.backward", True, "call", "loss.backward()",
-             _tensor_backward),
+        Call("tensor_backward", "loss.backward", True, "call", "loss.backward()", _tensor_backward),
         Call("step", "step", True, "call", "step()", lambda e, s: e.step()),
-        Call("set_boundary_true", "set_gradient_accumulation_boundary", True, "call",
-             "set_gradient_accumulation_boundary(True)",
-             lambda e, s: e.set_gradient_accumulation_boundary(True)),
-        Call("set_boundary_false", "set_gradient_accumulation_boundary", True, "call",
-             "set_gradient_accumulation_boundary(False)",
-             lambda e, s: e.set_gradient_accumulation_boundary(False)),
+        Call(
+            "set_boundary_true",
+            "set_gradient_accumulation_boundary",
+            True,
+            "call",
+            "set_gradient_accumulation_boundary(True)",
+            lambda e, s: e.set_gradient_accumulation_boundary(True),
+        ),
+        Call(
+            "set_boundary_false",
+            "set_gradient_accumulation_boundary",
+            True,
+            "call",
+            "set_gradient_accumulation_boundary(False)",
+            lambda e, s: e.set_gradient_accumulation_boundary(False),
+        ),
         Call("enter_no_sync", "no_sync", True, "context", "enter no_sync()", _enter("no_sync")),
         Call("exit_no_sync", "no_sync", False, "call", "leave no_sync()", _leave),
-        Call("enter_coalesce", "coalesce_grad_reduction", True, "context",
-             "enter coalesce_grad_reduction()", _enter("coalesce_grad_reduction")),
-        Call("exit_coalesce", "coalesce_grad_reduction", False, "call",
-             "leave coalesce_grad_reduction()", _leave),
+        Call(
+            "enter_coalesce",
+            "coalesce_grad_reduction",
+            True,
+            "context",
+            "enter coalesce_grad_reduction()",
+            _enter("coalesce_grad_reduction"),
+        ),
+        Call(
+            "exit_coalesce",
+            "coalesce_grad_reduction",
+            False,
+            "call",
+            "leave coalesce_grad_reduction()",
+            _leave,
+        ),
         Call("train_batch", "train_batch", True, "call", "train_batch()", _train_batch),
     )
-}  # fmt: skip
+}
 
 #: The engine calls a rule's ``action`` may name (and a learner's answer, with "accepted").
 ACTIONS: tuple[str, ...] = tuple(dict.fromkeys(c.call for c in CALLS.values()))

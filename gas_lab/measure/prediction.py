@@ -1,6 +1,6 @@
 """What DeepSpeed does with a config and a script of engine calls, predicted from the rules.
 
-``python -m gas_lab.rules.matrix`` ran DeepSpeed 0.19.8 on 2 CPU ranks for every combination
+``python -m gas_lab.measure.matrix`` ran DeepSpeed 0.19.8 on 2 CPU ranks for every combination
 that matters and wrote down what happened: accepted, or which exception at which call. That file is
 :func:`measured_matrix`. :func:`predict` answers the same question from the data in
 ``gas_lab/rules/refusals.py`` alone, walking the same script of calls; ``tests/test_rules.py`` checks
@@ -19,8 +19,8 @@ from pathlib import Path
 
 from gas_lab.deepspeed_compat.config import ConfigError, parse
 from gas_lab.engine import is_boundary
-from gas_lab.rules import matrix
-from gas_lab.rules.calls import situation_action
+from gas_lab.measure import matrix
+from gas_lab.rules.operations import situation_action
 from gas_lab.rules.refusals import ALL_RULES, Rule, Situation, first_violation
 
 
@@ -29,7 +29,7 @@ def predict(
 ) -> tuple[Rule | None, str | None]:
     """What DeepSpeed 0.19.8 does (on the CPU accelerator, as measured), from the rules data
     alone: ``(rule, op)`` for the first refusal (``op`` is "initialize" or one of ``ops``, the
-    ops of :mod:`gas_lab.rules.calls`), or ``(None, None)`` if it runs.
+    ops of :mod:`gas_lab.rules.operations`), or ``(None, None)`` if it runs.
 
     Raises ``config.ConfigError`` for configs gas_lab refuses to parse (DeepSpeed is more
     lenient: it ignores unknown keys and takes ``"no"`` for true).
@@ -44,8 +44,14 @@ def predict(
         gas = cfg.gradient_accumulation_steps or 1
         boundary = override if override is not None else is_boundary(micro, gas)
         update = op == "step" and (not managed or boundary)
-        situation = Situation(cfg, action, inside, pipeline, idle and update,
-                              no_boundary_backward=update and managed and not reduced)  # fmt: skip
+        situation = Situation(
+            cfg,
+            action,
+            inside,
+            pipeline,
+            idle and update,
+            no_boundary_backward=update and managed and not reduced,
+        )
         rule = first_violation(situation, ALL_RULES)
         if rule is not None:
             return rule, op
@@ -86,6 +92,8 @@ def disagreements(measured: dict | None = None) -> tuple[list[str], list[str]]:
             continue
         predicted = ("accepted", None, None) if rule is None else ("rejected", rule.moment, op)
         if predicted != (case["outcome"], case["moment"], case["raised_in"]):
-            wrong.append(f"{case['id']}: predicted {predicted}, measured "
-                         f"{(case['outcome'], case['moment'], case['raised_in'])}")  # fmt: skip
+            wrong.append(
+                f"{case['id']}: predicted {predicted}, measured "
+                f"{(case['outcome'], case['moment'], case['raised_in'])}"
+            )
     return wrong, unparsed

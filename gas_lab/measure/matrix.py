@@ -1,9 +1,9 @@
 """Measure which combinations DeepSpeed accepts and rejects, and when, on 2 CPU ranks.
 
-    .venv/bin/python -m gas_lab.rules.matrix     # writes data/deepspeed_<version>_matrix.json
+    .venv/bin/python -m gas_lab.measure.matrix     # writes data/deepspeed_<version>_matrix.json
 
 Every case is a config plus a small script of operations ("ops") run after ``initialize``,
-each named once in :mod:`gas_lab.rules.calls`: ``backward`` (forward + ``engine.backward(loss)``),
+each named once in :mod:`gas_lab.rules.operations`: ``backward`` (forward + ``engine.backward(loss)``),
 ``tensor_backward`` (forward + ``loss.backward()``), ``step``,
 ``set_boundary_true``/``set_boundary_false``, ``enter_no_sync``/``exit_no_sync``,
 ``enter_coalesce``/``exit_coalesce`` and ``train_batch`` (pipelines). For each case the file records: accepted or rejected, the exception type and
@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-from gas_lab.rules import calls
+from gas_lab.rules import operations
 
 DATA = Path(__file__).resolve().parents[2] / "data"  # the repository's data/ folder
 GAS = 2  # gradient_accumulation_steps of every case
@@ -58,8 +58,14 @@ NOTES = [  # choices made when measuring, written into the file
 
 def _case(group, config, ops, pipeline=False, **axes):
     name = "/".join(f"{k}={v}" for k, v in axes.items())
-    return {"id": f"{group}/{name}", "group": group, "axes": axes, "config": config, "ops": ops,
-            "pipeline": pipeline}  # fmt: skip
+    return {
+        "id": f"{group}/{name}",
+        "group": group,
+        "axes": axes,
+        "config": config,
+        "ops": ops,
+        "pipeline": pipeline,
+    }
 
 
 def _config(stage=0, managed=True, **extra):
@@ -83,8 +89,18 @@ def cases() -> list[dict]:
         if offload != "none":
             zero["offload_optimizer"] = {"device": offload}
         config = _config(stage, managed, zero=zero, **precisions[precision])
-        out.append(_case("grid", config, TRAIN[managed], stage=stage, managed=managed,
-                         overlap_comm=overlap, offload=offload, precision=precision))  # fmt: skip
+        out.append(
+            _case(
+                "grid",
+                config,
+                TRAIN[managed],
+                stage=stage,
+                managed=managed,
+                overlap_comm=overlap,
+                offload=offload,
+                precision=precision,
+            )
+        )
     # 2. Calls and contexts that move or suspend the boundary, at every stage, both modes.
     scripts = {
         "set_boundary_true": lambda m: ["set_boundary_true", *TRAIN[m]],
@@ -101,25 +117,56 @@ def cases() -> list[dict]:
     for (name, script), stage, managed in itertools.product(
         scripts.items(), range(4), (True, False)
     ):
-        out.append(_case("api", _config(stage, managed), script(managed), stage=stage,
-                         managed=managed, api=name))  # fmt: skip
+        out.append(
+            _case(
+                "api",
+                _config(stage, managed),
+                script(managed),
+                stage=stage,
+                managed=managed,
+                api=name,
+            )
+        )
     # 3. Features with their own engine or config block.
     for managed in (True, False):
         for stage in (0, 1):
-            out.append(_case("pipeline", _config(stage, managed), ["train_batch"], pipeline=True,
-                             stage=stage, managed=managed))  # fmt: skip
+            out.append(
+                _case(
+                    "pipeline",
+                    _config(stage, managed),
+                    ["train_batch"],
+                    pipeline=True,
+                    stage=stage,
+                    managed=managed,
+                )
+            )
             deepcompile = _config(stage, managed, compile={"deepcompile": True})
             out.append(
                 _case("deepcompile", deepcompile, TRAIN[managed], stage=stage, managed=managed)
             )
         for enabled in (True, False):
-            out.append(_case("amp", _config(0, managed, amp={"enabled": enabled}), TRAIN[managed],
-                             managed=managed, enabled=enabled))  # fmt: skip
+            out.append(
+                _case(
+                    "amp",
+                    _config(0, managed, amp={"enabled": enabled}),
+                    TRAIN[managed],
+                    managed=managed,
+                    enabled=enabled,
+                )
+            )
     # 4. Lesson 08: "gradient_allreduce_op": "sum" at every stage (and with DeepCompile), and
     # bf16 x data_types.grad_accum_dtype at stages 0 and 1.
     for stage, managed in itertools.product(range(4), (True, False)):
-        out.append(_case("edges", _config(stage, managed, gradient_allreduce_op="sum"),
-                         TRAIN[managed], stage=stage, managed=managed, op="sum"))  # fmt: skip
+        out.append(
+            _case(
+                "edges",
+                _config(stage, managed, gradient_allreduce_op="sum"),
+                TRAIN[managed],
+                stage=stage,
+                managed=managed,
+                op="sum",
+            )
+        )
     for stage in (0, 1):
         sum_compile = _config(stage, gradient_allreduce_op="sum", compile={"deepcompile": True})
         out.append(_case("edges", sum_compile, TRAIN[True], stage=stage, op="sum_deepcompile"))
@@ -129,8 +176,17 @@ def cases() -> list[dict]:
         extra = {"data_types": {"grad_accum_dtype": accum}}
         if bf16:
             extra["bf16"] = {"enabled": True}
-        out.append(_case("edges", _config(stage, managed, **extra), TRAIN[managed], stage=stage,
-                         managed=managed, bf16=bf16, grad_accum_dtype=accum))  # fmt: skip
+        out.append(
+            _case(
+                "edges",
+                _config(stage, managed, **extra),
+                TRAIN[managed],
+                stage=stage,
+                managed=managed,
+                bf16=bf16,
+                grad_accum_dtype=accum,
+            )
+        )
     # Where the mean divides (lessons 05 and 08): prescale_gradients at stages 0-2 and, at
     # stage 2, gradient_predivide_factor, with and without the keys ZeRO-2 checks them under.
     rs_false = {"zero": {"reduce_scatter": False}}
@@ -141,11 +197,20 @@ def cases() -> list[dict]:
         "prescale_sum": {"prescale_gradients": True, "gradient_allreduce_op": "sum"},
         "prescale_reduce_scatter_false": {"prescale_gradients": True, **rs_false},
     }
-    for stage, (name, extra) in [(0, ("prescale", division["prescale"])),
-                                 (1, ("prescale", division["prescale"])),
-                                 *((2, item) for item in division.items())]:  # fmt: skip
-        out.append(_case("edges", _config(stage, **copy.deepcopy(extra)), TRAIN[True],
-                         stage=stage, division=name))  # fmt: skip
+    for stage, (name, extra) in [
+        (0, ("prescale", division["prescale"])),
+        (1, ("prescale", division["prescale"])),
+        *((2, item) for item in division.items()),
+    ]:
+        out.append(
+            _case(
+                "edges",
+                _config(stage, **copy.deepcopy(extra)),
+                TRAIN[True],
+                stage=stage,
+                division=name,
+            )
+        )
     # 5. Lesson 09: ZeRO-2's reduction variants, managed and unmanaged (gas_lab implements the
     # default reduction, with any bucket size, and leaves the others to DeepSpeed).
     variants = {
@@ -155,13 +220,28 @@ def cases() -> list[dict]:
         "round_robin_gradients": {"round_robin_gradients": True},
     }
     for (variant, zero), managed in itertools.product(variants.items(), (True, False)):
-        out.append(_case("zero2", _config(2, managed, zero=zero), TRAIN[managed], stage=2,
-                         managed=managed, variant=variant))  # fmt: skip
+        out.append(
+            _case(
+                "zero2",
+                _config(2, managed, zero=zero),
+                TRAIN[managed],
+                stage=2,
+                managed=managed,
+                variant=variant,
+            )
+        )
     # 6. Config checks that have nothing to do with the boundary, and DeepSpeed's leniency.
     sgd = {"type": "SGD", "params": {"lr": 0.1}}
     for stage in (0, 1):
-        out.append(_case("config", _config(stage, optimizer=sgd), TRAIN[True], stage=stage,
-                         check="sgd_untested"))  # fmt: skip
+        out.append(
+            _case(
+                "config",
+                _config(stage, optimizer=sgd),
+                TRAIN[True],
+                stage=stage,
+                check="sgd_untested",
+            )
+        )
     clip = {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True, "max_grad_norm": 1.0}}
     out.append(_case("config", _config(0, optimizer=clip), TRAIN[True], check="max_grad_norm"))
     lenient = {"managed_string_no": {"managed_gradient_accumulation": "no"},
@@ -173,33 +253,43 @@ def cases() -> list[dict]:
 
 
 # ------------------------------------------------------------------------------- running a case
-def run_case(initialize, case: dict, model_fn=calls.model) -> dict:
+def run_case(initialize, case: dict, model_fn=operations.model) -> dict:
     """Run one case with ``initialize`` (DeepSpeed's or gas_lab's) on this rank.
 
     ``model_fn(pipeline)`` builds the model (tests swap in a stand-in PipelineModule).
     """
-    script, op = calls.Script(), "initialize"
+    script, op = operations.Script(), "initialize"
     try:
         model = model_fn(case["pipeline"])
-        engine, *_ = initialize(model=model, model_parameters=model.parameters(),
-                                config=json.loads(json.dumps(case["config"])))  # fmt: skip
+        engine, *_ = initialize(
+            model=model,
+            model_parameters=model.parameters(),
+            config=json.loads(json.dumps(case["config"])),
+        )
         for op in case["ops"]:
-            calls.perform(engine, [op], script)
+            operations.perform(engine, [op], script)
     except Exception as err:  # the point: record whatever is raised, wherever
-        return {"outcome": "rejected", "exception": type(err).__name__,
-                "is_a": _exception_types(err),
-                "message": str(err).strip(), "raised_in": op,
-                "moment": calls.call_of(op).moment}  # fmt: skip
+        return {
+            "outcome": "rejected",
+            "exception": type(err).__name__,
+            "is_a": _exception_types(err),
+            "message": str(err).strip(),
+            "raised_in": op,
+            "moment": operations.call_of(op).moment,
+        }
     optimizer = getattr(engine, "optimizer", None)
     return {
-        "outcome": "accepted", "exception": None, "message": None, "raised_in": None,
+        "outcome": "accepted",
+        "exception": None,
+        "message": None,
+        "raised_in": None,
         "moment": None,
         "observed": {
             "managed": bool(engine.managed_gradient_accumulation()),
             "optimizer": type(optimizer).__name__,
             "counters": [engine.global_steps, engine.global_samples, engine.micro_steps],
         },
-    }  # fmt: skip
+    }
 
 
 def _exception_types(err: BaseException) -> list[str]:
@@ -247,7 +337,7 @@ def main(out: Path | None = None) -> Path:
         "torch_version": torch.__version__,
         "python": platform.python_version(),
         "accelerator": "cpu (DS_ACCELERATOR=cpu), gloo, 2 ranks",
-        "measured_by": "python -m gas_lab.rules.matrix",
+        "measured_by": "python -m gas_lab.measure.matrix",
         "notes": NOTES,
         "summary": {
             "cases": len(all_cases),
