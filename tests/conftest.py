@@ -3,6 +3,7 @@
 
 import os
 import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -14,6 +15,39 @@ def pytest_configure(config):
     if worker:
         os.environ["TMPDIR"] = tempfile.mkdtemp(prefix=f"gas_lab_{worker}_")
         tempfile.tempdir = None  # gettempdir() reads TMPDIR again
+
+
+# DeepSpeed's CPU op leaves one 66 MiB file per rank in /dev/shm under the `deepspeed` launcher
+# (tutorials/scripts/shm_buffers.py); the session must end with no more of them than it began
+# with. The names hold the user id, so only files this user's processes could have made count;
+# a DeepSpeed job this user runs outside the session, on this machine, meanwhile counts too.
+SHM_BUFFERS = f"deepspeed_allreduce_buffer_{os.getuid()}_*"
+
+
+def _shm_buffers() -> set[str]:
+    return {p.name for p in Path("/dev/shm").glob(SHM_BUFFERS)}
+
+
+def pytest_sessionstart(session):
+    session.config._shm_buffers_before = _shm_buffers()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """The session (under xdist: the controller, once every worker is done) fails if it leaves
+    DeepSpeed shared-memory buffers behind; the message names them and how to remove them."""
+    if hasattr(session.config, "workerinput"):
+        return  # an xdist worker: the controller checks once, over every worker's work
+    left = sorted(_shm_buffers() - session.config._shm_buffers_before)
+    if left:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        message = (
+            f"/dev/shm: the tests left {len(left)} DeepSpeed buffer(s) behind: {', '.join(left)} "
+            "(docs/instructor/troubleshooting.md, 'Memory a script leaves behind')"
+        )
+        if reporter is not None:
+            reporter.write("\n")
+            reporter.write_line(message, red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 # The slowest files of a warm `make test` (--durations on 3 workers: 75-100 s, 40-80 s, 40-45 s),

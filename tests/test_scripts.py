@@ -130,3 +130,53 @@ def test_the_script_matches_deepspeed_at_every_stage(cluster, tmp_path, stage, m
     }
     for ours, theirs in zip(logs["gas_lab"], logs["deepspeed"], strict=True):
         _assert_same_run(ours, theirs)
+
+
+# ------------------------------------- what the `deepspeed` launcher leaves in /dev/shm (issue 31)
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.ranks
+@pytest.mark.parametrize("script", ["hello_ranks.py", "train_unmanaged.py", "deepspeed_style.py"])
+def test_a_script_under_the_deepspeed_launcher_leaves_dev_shm_as_it_found_it(script):
+    """Under ``deepspeed`` on one machine, DeepSpeed's CPU op creates one 66 MiB file per rank in
+    /dev/shm and never removes it (tutorials/scripts/shm_buffers.py says where); each script
+    removes its own. The files must appear while it runs (else this test proves nothing), and be
+    gone after it exits."""
+    import threading
+    import time
+
+    port = _free_port()  # the port is in the file names: only this run's files match
+    pattern = f"deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_{port}_*"
+    args = {"hello_ranks.py": ["--steps", "1"], "train_unmanaged.py": ["--steps", "2"],
+            "deepspeed_style.py": ["--deepspeed", "--deepspeed_config", str(CONFIG),
+                                   "--epochs", "1"]}[script]  # fmt: skip
+    cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2",
+           "--master_port", str(port), str(ROOT / "tutorials/scripts" / script), *args]  # fmt: skip
+    env = os.environ | {"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+    seen: set[str] = set()
+    done = threading.Event()
+
+    def watch():  # the files live from deepspeed.initialize to the end of the script
+        while not done.is_set():
+            seen.update(p.name for p in Path("/dev/shm").glob(pattern))
+            time.sleep(0.02)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
+    finally:
+        done.set()
+        watcher.join()
+        left = sorted(p.name for p in Path("/dev/shm").glob(pattern))
+        for name in left:  # never leave them to the machine, even when the test fails
+            (Path("/dev/shm") / name).unlink(missing_ok=True)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert seen == {pattern.replace("*", str(rank)) for rank in (0, 1)}, seen
+    assert left == [], f"{script} left {left} in /dev/shm"

@@ -180,3 +180,26 @@ def test_own_n_is_the_least_wrong_of_the_wrong_divisors(cluster):
         err[how] = per_lib["deepspeed"]
     assert err["global count / W"] < 1e-6
     assert 1e-2 < err["own N"] < err["default (/ GAS)"] < err["no division"]
+
+
+# ------------------------------------------------- issue 31, statement 1 (lesson 03, section 7)
+RAGGED = [[3, 1], [2, 2]]  # micro-batches of (rank 0, rank 1) at each step
+
+
+def _unmanaged_counters(library):
+    return train(initializer(library), CONFIG, len(RAGGED), lambda s, r: RAGGED[s][r])[1]
+
+
+@pytest.mark.parametrize("library", tl.LIBRARIES)
+def test_unmanaged_counts_samples_per_rank_and_micro_steps_per_step(cluster, library):
+    """Lesson 03: unmanaged, ``micro_steps`` still counts ``step()`` calls, and
+    ``global_samples`` counts this rank's micro-batches x micro-batch size x world size: right only
+    when every rank ran the same N (lesson 04 shows the ranks disagree)."""
+    W = cluster.world_size
+    per_rank = cluster.run(_unmanaged_counters, library)
+    for rank, counters in enumerate(per_rank):
+        assert [c[2] for c in counters] == [1, 2]  # one per step(), whatever N was
+        own = [sum(RAGGED[s][rank] for s in range(i + 1)) for i in range(len(RAGGED))]
+        assert [c[1] for c in counters] == [MICRO * W * n for n in own]
+    truth = MICRO * sum(RAGGED[0])  # after step 1: the samples every rank ran, together
+    assert [counters[0][1] for counters in per_rank] == [12, 4] and truth == 8  # neither is right

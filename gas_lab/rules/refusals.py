@@ -259,7 +259,8 @@ _WRITTEN: list[Rule] = [
         "At stage 0 the gradients accumulate in the parameters' own .grad, so they can only be "
         "in the model's dtype. A separate fp32 accumulation exists only in DeepSpeed's ZeRO "
         "optimizers: BF16_Optimizer at stage 1, DeepSpeedZeroOptimizer's fp32 gradient "
-        "partitions at stage 2 (use_separate_grad_accum).",
+        "partitions at stage 2 (use_separate_grad_accum), and stage 3's gradient partitions, "
+        "kept in grad_accum_dtype.",
         "you would believe the bf16 gradients add up in fp32 while they add up in bf16: an "
         "error that grows with the number of micro-batches.",
         "NotImplementedError", "unsupported mix of model_dtype=",

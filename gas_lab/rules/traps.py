@@ -87,7 +87,8 @@ TRAPS: list[Trap] = [
     Trap(
         "uneven_n_zero23", "unmanaged, ZeRO 2/3, ranks run different N",
         "ZeRO-2/3 reduce inside every backward(): a rank with more backward() calls waits in a "
-        "collective the others never join: the job hangs or dies.",
+        "collective the others never join: on gloo a rank dies (measured, lesson 09); under NCCL "
+        "the job can hang instead.",
         "at ZeRO-2/3 every rank calls backward() the same number of times per step",
         lambda c, loop: _raw_unmanaged(c) and _zero_stage(c) >= 2 and _uneven(c, loop),
     ),

@@ -121,7 +121,10 @@ def main(argv=None) -> list[dict]:
 
 
 if __name__ == "__main__":
+    from shm_buffers import remove_own_buffer  # beside this file; imported only when run
+
     main()
+    remove_own_buffer(comm.get_rank())  # what DeepSpeed's CPU op left in /dev/shm (`deepspeed`)
     # The interpreter's teardown sometimes aborts after the work is done (gas_lab.dp.end_rank
     # says why); leave at once, status 0.
     comm.destroy_process_group()

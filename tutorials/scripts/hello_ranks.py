@@ -15,6 +15,7 @@ import json
 
 import torch
 import torch.distributed as dist
+from shm_buffers import remove_own_buffer
 
 from gas_lab.dp import end_rank, init_from_env
 from gas_lab.lessons import hello
@@ -56,6 +57,7 @@ def main() -> None:
                 }
             )
         )
+    remove_own_buffer(dist.get_rank())  # what DeepSpeed's CPU op left in /dev/shm (`deepspeed`)
     end_rank()  # skips a teardown that sometimes aborts after the work is done
 
 

@@ -22,6 +22,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from shm_buffers import remove_own_buffer
 from tqdm.auto import tqdm
 
 from gas_lab.dp import end_rank, init_from_env
@@ -114,6 +115,7 @@ def main() -> None:
             "seconds": round(time.perf_counter() - t0, 3),
         }
         print(json.dumps(summary), flush=True)
+    remove_own_buffer(rank)  # what DeepSpeed's CPU op left in /dev/shm (`deepspeed` launcher)
     end_rank()  # skips a teardown that sometimes aborts after the work is done
 
 
