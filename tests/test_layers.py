@@ -31,7 +31,8 @@ LAYERS = [
     ("rules", ["gas_lab.errors", "gas_lab.rules", "gas_lab.rules.operations",
                "gas_lab.rules.refusals", "gas_lab.rules.traps"]),
     ("deepspeed", ["gas_lab.deepspeed_compat", "gas_lab.deepspeed_compat.*"]),
-    ("checking", ["gas_lab.measure", "gas_lab.measure.*", "gas_lab.timeline"]),
+    ("checking", ["gas_lab.measure", "gas_lab.measure.*", "gas_lab.timeline",
+                  "gas_lab.check", "gas_lab.check.*"]),
     ("lessons", ["gas_lab.lessons", "gas_lab.lessons.*"]),
     ("package", ["gas_lab"]),
 ]  # fmt: skip

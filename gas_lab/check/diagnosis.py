@@ -20,7 +20,7 @@ from gas_lab.check.objectives import (
     mistakes,
     objective,
 )
-from gas_lab.check.replay import agrees, replay
+from gas_lab.check.trial import agrees, replay
 
 NONE_KNOWN = "none known: no normalization the checker knows reproduces this step"
 
