@@ -41,8 +41,8 @@ from dataclasses import replace
 from gas_lab.check import diagnosis
 from gas_lab.check.cases import BY_NAME, WORLD_SIZE, chosen
 from gas_lab.check.objectives import REDUCTIONS, objective
-from gas_lab.check.trial import agrees, config_for, relative_error, replay, trial
 from gas_lab.check.report import PASS, CaseResult, CheckResult
+from gas_lab.check.trial import agrees, config_for, relative_error, replay, trial
 
 CASE_TIMEOUT_S = 20.0  # a case takes about a second; a rank that waits longer than this stalled
 LIBRARIES = ("deepspeed", "gas_lab")
