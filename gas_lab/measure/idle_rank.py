@@ -2,12 +2,19 @@
 mode, and its measurement on DeepSpeed 0.19.8 and gas_lab.
 
 **The rule** (appendix A3, ``tutorials/A3_idle_ranks.ipynb``, is the one place the course states
-it; :func:`backward_calls` is the rule as code): Every rank joins every collective of a step, so
-every rank calls ``backward()`` as often as its ZeRO stage requires: unmanaged, any number at
-stage 0 (none included), at least one at stage 1, and the busiest rank's count at stages 2 and
-3; managed, ``gradient_accumulation_steps`` at every stage. A rank with fewer micro-batches makes
-up the difference with zero-weight micro-batches (:func:`dummy_micro_batch`), and when no rank
-has data, no rank calls ``backward()`` or ``step()``.
+it; :func:`backward_calls` is the rule as code):
+
+Every rank joins every collective of a step. So a rank owes each step the ``backward()`` calls
+that hold its stage's collectives:
+
+| | stage 0 | stage 1 | stages 2 and 3 |
+|---|---|---|---|
+| **unmanaged** | any number, none included | at least one | the busiest rank's count |
+| **managed** | one per micro-step, ``gradient_accumulation_steps`` in all | the same | the same |
+
+Managed, at stages 0 and 1 only the boundary micro-step's call reduces; at stages 2 and 3 every
+one does. A rank with fewer micro-batches makes up the difference with zero-weight
+micro-batches; when no rank has data, no rank calls ``backward()`` or ``step()``.
 
 Three schedules (micro-batches of (rank 0, rank 1) at each of three steps) and two loops:
 
