@@ -294,6 +294,8 @@ def test_a_rank_error_shows_the_ranks_own_traceback_first(kernel):
     lines = rendered(msgs)
     assert lines[0] == "Traceback on rank 1 (most recent call last):"
     assert re.fullmatch(r"  Cell In\[\d+\], line 3, in <module>", lines[1]), lines
+    # The cell under the prompt, not the next one (IPython counts the cell before running it).
+    assert lines[1].startswith(f"  Cell In[{reply['execution_count']}],"), lines
     assert lines[2:4] == ['    raise ValueError("boom")', "ValueError: boom"]
     assert lines[-1] == (
         "gas_lab: rank 1 failed; rank 0 finished; the ranks keep their variables. "

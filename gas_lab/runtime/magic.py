@@ -6,7 +6,21 @@ naming the option, raised before anything runs on the ranks.
 
 from __future__ import annotations
 
+import sys
+
 from gas_lab.runtime.arguments import parse_ranks_line
+
+
+def cell_name(ip) -> str:
+    """How IPython names the running cell in tracebacks (``In[7]``): the name of the code that
+    called the magic. (``ip.execution_count`` has already moved on to the next cell by then.)"""
+    frame = sys._getframe(1)
+    while frame is not None:
+        named = ip.compile.format_code_name(frame.f_code.co_filename)
+        if named:
+            return named[1]
+        frame = frame.f_back
+    return f"In[{ip.execution_count}]"
 
 
 def register_magic(get_cluster, default_timeout: float) -> None:
@@ -22,6 +36,6 @@ def register_magic(get_cluster, default_timeout: float) -> None:
     def ranks(line: str, cell: str) -> None:
         __tracebackhide__ = True
         timeout = parse_ranks_line(line, default_timeout)
-        get_cluster().execute(cell, timeout=timeout, cell=f"In[{ip.execution_count}]")
+        get_cluster().execute(cell, timeout=timeout, cell=cell_name(ip))
 
     ip.register_magic_function(ranks, magic_kind="cell", magic_name="ranks")
