@@ -22,7 +22,13 @@ import sys
 import time
 
 from gas_lab.runtime import build_lock
-from gas_lab.runtime.rank_errors import RankError, RankInterrupt, RankStallError, error_text
+from gas_lab.runtime.rank_errors import (
+    LoneCollectiveError,
+    RankError,
+    RankInterrupt,
+    RankStallError,
+    error_text,
+)
 from gas_lab.runtime.streaming import RankOutput
 
 ERROR_GRACE = 5.0  # after one rank fails, how long the others get to finish before we stop waiting
@@ -38,6 +44,10 @@ RESAMPLE_BUILD = 10.0
 # A rank's result and its output travel on different channels, so the result can arrive while
 # the last of its output is still on the way: wait up to this long for the rest.
 OUTPUT_GRACE = 10.0
+# A cell on some ranks only: look for a rank waiting in a collective (which the other ranks never
+# join) this soon after the start, and then this often.
+ALONE_FIRST = 0.5
+ALONE_EVERY = 0.5
 
 
 def _failed(f) -> bool:
@@ -47,10 +57,20 @@ def _failed(f) -> bool:
 class Call:
     """Wait for ``futures`` (one per rank of ``cluster``) and turn them into results or an error."""
 
-    def __init__(self, cluster, futures: list, timeout: float, what: str, restart: bool = True):
+    def __init__(
+        self,
+        cluster,
+        futures: list,
+        timeout: float,
+        what: str,
+        restart: bool = True,
+        ranks: list[int] | None = None,
+    ):
         self.cluster, self.futures, self.timeout = cluster, futures, timeout
         self.what, self.restart = what, restart
-        self.ranks = cluster.ranks
+        self.ranks = cluster.ranks if ranks is None else ranks  # the ranks ``futures`` run on
+        # On some ranks only (%%ranks --rank 0), a collective can never complete: watched for.
+        self.alone: dict = {}  # rank -> its state, once it was seen waiting in a collective
         self.died: dict[int, str] = {}
         self.states: dict = {}
         self.out = RankOutput(self.ranks, cluster.noise)
@@ -72,7 +92,7 @@ class Call:
             self._close_output()
             self._note_builds()
             return self._outcome()
-        except (RankError, RankStallError, RankInterrupt) as exc:
+        except (RankError, RankStallError, RankInterrupt) as exc:  # LoneCollectiveError too
             self.cluster.last_error = exc  # the full report, after the notebook shows the gist
             raise
 
@@ -102,6 +122,8 @@ class Call:
         start = time.monotonic()
         deadline, first_bad, next_look, noted = start + self.timeout, None, 0.0, set()
         work_timed = False  # the work after start-up got the call's own timeout
+        partial = self.ranks != self.cluster.ranks
+        next_alone, seen = start + ALONE_FIRST, {}
         # A rank that died never answers (nothing relays its death to ipyparallel): once every
         # other rank has answered, there is nothing left to wait for.
         while any(r not in self.died for r in self.unfinished()):
@@ -114,6 +136,10 @@ class Call:
                 first_bad = now
             if first_bad is not None and now - first_bad > ERROR_GRACE:
                 return
+            if partial and now >= next_alone and self.cluster._set_up:
+                if self._alone_in_collective(seen):
+                    return
+                next_alone = time.monotonic() + ALONE_EVERY
             if now > deadline:
                 self.states = self.cluster.sample(self.unfinished())
                 starting = {r: s for r, s in self.states.items() if s.starting_up}
@@ -140,6 +166,19 @@ class Call:
                 building = bool(kinds & {"building", "build_lock"})
                 deadline = now + (RESAMPLE_BUILD if building else RESAMPLE)
             time.sleep(0.05)
+
+    def _alone_in_collective(self, seen: dict) -> bool:
+        """Whether a chosen rank waits in a collective: seen twice in the same place, so that a
+        rank caught passing through (``dist.get_rank()`` lives beside the collectives) is not
+        taken for one that waits."""
+        for r, state in self.cluster.sample(self.unfinished()).items():
+            if state.kind != "collective":
+                seen.pop(r, None)
+            elif seen.get(r) == state.frames:
+                self.alone[r] = self.states[r] = state
+            else:
+                seen[r] = state.frames
+        return bool(self.alone)
 
     def _any_in_collective(self) -> bool:
         return any(s.kind == "collective" for s in self.states.values())
@@ -217,6 +256,10 @@ class Call:
             (unsendable if kind == "unsendable" else errors)[r] = error_text(f)
         stalled = [r for r, f in ranked if not f.ready() and r not in self.died]
         fresh, self.cluster.fresh = self.cluster.fresh, False  # said once, by this call
+        if self.alone and not (self.died or errors or unsendable):
+            others = [r for r in self.cluster.ranks if r not in self.ranks]
+            self.cluster.restart()  # blocked in C++: nothing but a restart stops it
+            raise LoneCollectiveError(self.alone, self.ranks, others)
         if self.died or errors or unsendable:
             restarted = bool(self.died or stalled) and self.restart
             crash = {r: self.cluster.crash_report(r) for r in self.died}

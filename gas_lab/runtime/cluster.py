@@ -36,12 +36,13 @@ import tempfile
 import time
 
 from gas_lab.runtime import build_lock, lifetime
-from gas_lab.runtime.arguments import check_seconds, check_world_size
+from gas_lab.runtime.arguments import UsageError, check_seconds, check_world_size
 from gas_lab.runtime.calls import Call
 from gas_lab.runtime.magic import register_magic
 from gas_lab.runtime.on_rank import call_on_rank, exec_on_rank, remember_source, setup_rank
 from gas_lab.runtime.rank_errors import RankError, RankInterrupt, RankStallError  # noqa: F401
 from gas_lab.runtime.sending import ship_module_by_value, source_of
+from gas_lab.runtime.values import show_values
 from gas_lab.runtime.watch import RankWatch
 
 DEFAULT_TIMEOUT = 60.0  # seconds a call may run before its unfinished ranks count as stalled
@@ -91,6 +92,10 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _listed(ranks: list[int]) -> str:
+    return ",".join(map(str, ranks))
 
 
 def default_world_size() -> tuple[int, str]:
@@ -256,15 +261,44 @@ class Cluster(RankWatch):
         what = getattr(fn, "__qualname__", None) or repr(fn)
         return Call(self, self._submit(fn, *args, **kwargs), timeout, what).result()
 
-    def execute(self, code: str, timeout: float = DEFAULT_TIMEOUT, cell: str | None = None) -> None:
-        """Run source code on every rank, in each rank's persistent namespace (``%%ranks``).
-        ``cell`` names it in tracebacks (``In[7]``, what ``%%ranks`` passes)."""
+    def execute(
+        self,
+        code: str,
+        timeout: float = DEFAULT_TIMEOUT,
+        cell: str | None = None,
+        ranks: list[int] | None = None,
+    ) -> None:
+        """Run source code on every rank (or on ``ranks``), in each rank's persistent namespace
+        (``%%ranks``). A last line that is an expression shows each rank's value, as Jupyter
+        shows a cell's ``Out`` (:mod:`~gas_lab.runtime.values`). ``cell`` names it in
+        tracebacks (``In[7]``, what ``%%ranks`` passes)."""
         __tracebackhide__ = True
         timeout = check_seconds(timeout)
+        chosen = self._check_ranks(ranks)
         self._ensure_running()
         name = f"<%%ranks {cell or abs(hash(code))}>"
         remember_source(name, code.splitlines(keepends=True))  # for a stalled rank's stack
-        Call(self, self._submit(exec_on_rank, code, name), timeout, "the %%ranks cell").result()
+        futures = [
+            self._view(r).apply_async(call_on_rank, exec_on_rank, (code, name), {}) for r in chosen
+        ]
+        what = (
+            "the %%ranks cell"
+            if chosen == self.ranks
+            else f"the %%ranks --rank {_listed(chosen)} cell"
+        )
+        values = Call(self, futures, timeout, what, ranks=chosen).result()
+        show_values(chosen, values, cell)
+
+    def _check_ranks(self, ranks: list[int] | None) -> list[int]:
+        if ranks is None:
+            return self.ranks
+        wrong = [r for r in ranks if not 0 <= r < self.world_size]
+        if wrong or not ranks:
+            raise UsageError(
+                f"%%ranks --rank {_listed(ranks)}: this notebook has ranks 0 to "
+                f"{self.world_size - 1} (cluster.world_size is {self.world_size})"
+            )
+        return sorted(set(ranks))
 
     def push(self, **names) -> None:
         """Copy notebook variables into every rank's namespace."""

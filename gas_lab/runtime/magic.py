@@ -1,7 +1,8 @@
 """The ``%%ranks`` cell magic: run a whole cell on every rank, variables persisting (lesson 00).
 
-``%%ranks`` or ``%%ranks --timeout 300``. A mistake on the magic's line is a one-line error
-naming the option, raised before anything runs on the ranks.
+``%%ranks``, ``%%ranks --timeout 300``, ``%%ranks --rank 0`` (or ``--rank 0,1``: those ranks
+only). A mistake on the magic's line is a one-line error naming the option, raised before
+anything runs on the ranks.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def register_magic(get_cluster, default_timeout: float) -> None:
 
     def ranks(line: str, cell: str) -> None:
         __tracebackhide__ = True
-        timeout = parse_ranks_line(line, default_timeout)
-        get_cluster().execute(cell, timeout=timeout, cell=cell_name(ip))
+        timeout, chosen = parse_ranks_line(line, default_timeout)
+        get_cluster().execute(cell, timeout=timeout, cell=cell_name(ip), ranks=chosen)
 
     ip.register_magic_function(ranks, magic_kind="cell", magic_name="ranks")
