@@ -165,6 +165,41 @@ def test_lesson00_says_built_only_when_the_ranks_built(cluster, capsys):
     assert "its C++ op was built before" in first or cluster.built != built_before
 
 
+def _spin(seconds):
+    import time
+
+    t = time.time()
+    while time.time() - t < seconds:
+        pass
+
+
+def test_status_says_each_ranks_pid_device_memory_and_whether_it_is_busy(cluster):
+    status = cluster.status()
+    assert [(r.rank, r.pid, r.device, r.state) for r in status.ranks] == [
+        (0, cluster.pids[0], "cpu", "idle"),
+        (1, cluster.pids[1], "cpu", "idle"),
+    ]
+    assert all(20 < r.mb < 2000 for r in status.ranks)
+    assert status.processes == 6 and sum(r.mb for r in status.ranks) < status.mb
+    text = repr(status)
+    assert text.splitlines()[0].startswith("gas_lab: this notebook's ranks: 2 ranks (gloo), 6 ")
+    assert f"   1  {cluster.pids[1]:>7}  cpu" in text
+    import threading
+
+    work = threading.Thread(target=cluster.run, args=(_spin, 4))  # a call still running
+    work.start()
+    time.sleep(1.5)
+    busy = cluster.status()
+    work.join(timeout=60)
+    import inspect
+
+    line = inspect.getsourcelines(_spin)[1] + 4  # the loop's line
+    assert [r.state.split(" (")[0] for r in busy.ranks] == [
+        f"busy: computing in _spin line {line}"
+    ] * 2
+    assert [r.state for r in cluster.status().ranks] == ["idle", "idle"]
+
+
 def test_everything_listens_on_loopback_only(cluster):
     procs = psutil.Process().children(recursive=True)
     listening = [c.laddr.ip for p in procs for c in p.net_connections() if c.status == "LISTEN"]
@@ -220,6 +255,7 @@ gas_lab.stop_cluster()
 _SECOND = """
 import gas_lab
 c = gas_lab.start_cluster(world_size=2, device="cpu")
+print(c.status())
 assert gas_lab.start_cluster(device="cpu", stop_others=True) is c
 gas_lab.stop_cluster()
 """
@@ -250,6 +286,10 @@ def test_a_second_notebook_names_the_first_ones_ranks_and_can_stop_them(tmp_path
         )
         assert named, second.stderr
         assert "gas_lab: stopped the ranks of 04_unmanaged.ipynb (5 processes" in second.stderr
+        # ... and the status the second notebook shows names them too, with how to stop them.
+        assert "Other notebooks' ranks on this machine: 04_unmanaged.ipynb (5 processes" in (
+            second.stdout
+        )
         assert not [
             p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"
         ]

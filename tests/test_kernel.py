@@ -389,3 +389,13 @@ def test_a_collective_on_chosen_ranks_ends_the_cell_soon_and_says_why(kernel):
     msgs, reply, _ = kernel.run("print(c.run(lambda: 'ready'))")
     assert reply["status"] == "ok" and "['ready', 'ready']" in text_of(msgs)
     print(f"a collective on rank 0 only: the cell ended after {took:.1f} s")
+
+
+def test_ranks_status_is_a_line_magic(kernel):
+    msgs, reply, _ = kernel.run("%ranks_status")
+    assert reply["status"] == "ok", reply
+    out = next(m for _, m in msgs if m["msg_type"] == "execute_result")["content"]["data"]
+    lines = out["text/plain"].splitlines()
+    assert lines[0].startswith("gas_lab: this notebook's ranks: 2 ranks (gloo), 6 processes")
+    assert [line.split()[0] for line in lines[2:4]] == ["0", "1"]
+    assert all(line.endswith("idle") and " cpu " in line for line in lines[2:4]), lines

@@ -42,6 +42,7 @@ from gas_lab.runtime.magic import register_magic
 from gas_lab.runtime.on_rank import call_on_rank, exec_on_rank, remember_source, setup_rank
 from gas_lab.runtime.rank_errors import RankError, RankInterrupt, RankStallError  # noqa: F401
 from gas_lab.runtime.sending import ship_module_by_value, source_of
+from gas_lab.runtime.status import STOP_OTHERS, ranks_status
 from gas_lab.runtime.values import show_values
 from gas_lab.runtime.watch import RankWatch
 
@@ -300,6 +301,20 @@ class Cluster(RankWatch):
             )
         return sorted(set(ranks))
 
+    def status(self):
+        """Each rank's pid, device, memory (PSS) and whether it is idle or busy (and where), this
+        notebook's processes, and other notebooks' ranks on this machine with how to stop them
+        (:mod:`~gas_lab.runtime.status`; ``%ranks_status`` in a notebook)."""
+        return ranks_status(self)
+
+    def queued(self) -> dict[int, int]:
+        """How many calls each rank has not finished (ipyparallel's queue status)."""
+        try:
+            found = self._client.queue_status(self._engines)
+        except Exception:
+            return {}
+        return {r: found.get(e, {}).get("queue", 0) for r, e in enumerate(self._engines)}
+
     def push(self, **names) -> None:
         """Copy notebook variables into every rank's namespace."""
         self._ensure_running()
@@ -398,7 +413,7 @@ def start_cluster(
 
 
 def _running_text(c: dict) -> str:
-    return f"{c['notebook']} ({c['processes']} processes, {c['mb']:.0f} MB)"
+    return f"{c['notebook']} ({c['processes']} processes, {c['mb']:.0f} MB)"  # MB: PSS
 
 
 def _name_others() -> None:
@@ -409,8 +424,7 @@ def _name_others() -> None:
         whose = "another notebook's" if len(others) == 1 else f"{len(others)} other notebooks'"
         print(
             f"gas_lab: {whose} ranks are running: {', '.join(map(_running_text, others))}. "
-            "They share this machine's cores and memory; to stop them, start with "
-            "gas_lab.start_cluster(stop_others=True), or shut that notebook's kernel down.",
+            f"They share this machine's cores and memory; {STOP_OTHERS}.",
             file=sys.stderr,
         )
 

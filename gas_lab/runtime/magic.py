@@ -1,4 +1,5 @@
-"""The ``%%ranks`` cell magic: run a whole cell on every rank, variables persisting (lesson 00).
+"""The ``%%ranks`` cell magic: run a whole cell on every rank, variables persisting (lesson 00),
+and ``%ranks_status``: each rank's pid, device, memory and state (``cluster.status()``).
 
 ``%%ranks``, ``%%ranks --timeout 300``, ``%%ranks --rank 0`` (or ``--rank 0,1``: those ranks
 only). A mistake on the magic's line is a one-line error naming the option, raised before
@@ -25,7 +26,7 @@ def cell_name(ip) -> str:
 
 
 def register_magic(get_cluster, default_timeout: float) -> None:
-    """Register ``%%ranks`` in the running IPython, running cells on ``get_cluster()``."""
+    """Register ``%%ranks`` and ``%ranks_status`` in the running IPython, on ``get_cluster()``."""
     try:
         from IPython import get_ipython
     except ImportError:
@@ -39,4 +40,8 @@ def register_magic(get_cluster, default_timeout: float) -> None:
         timeout, chosen = parse_ranks_line(line, default_timeout)
         get_cluster().execute(cell, timeout=timeout, cell=cell_name(ip), ranks=chosen)
 
+    def ranks_status(line: str):
+        return get_cluster().status()
+
     ip.register_magic_function(ranks, magic_kind="cell", magic_name="ranks")
+    ip.register_magic_function(ranks_status, magic_kind="line", magic_name="ranks_status")
