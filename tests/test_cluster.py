@@ -144,7 +144,7 @@ def test_the_ranks_say_built_only_when_a_build_ran(cluster, capsys):
     first = "".join(capsys.readouterr())  # DeepSpeed's line is the ranks' stdout; ours stderr
     assert "built successfully" not in first
     built = dict(cluster.built)
-    assert ("gas_lab: the ranks built DeepSpeed's C++ op" in first) == (built != before)
+    assert ("gas_lab notice: built DeepSpeed's C++ op" in first) == (built != before)
     cluster.run(hello.train_tiny_deepspeed, 1)  # the op is in the environment's cache now
     assert "built" not in "".join(capsys.readouterr()) and cluster.built == built
 
@@ -280,12 +280,14 @@ def test_a_second_notebook_names_the_first_ones_ranks_and_can_stop_them(tmp_path
         )
         assert second.returncode == 0, second.stderr
         named = re.search(
-            r"gas_lab: another notebook's ranks are running: 04_unmanaged.ipynb "
+            r"gas_lab notice: another notebook's ranks are running: 04_unmanaged.ipynb "
             r"\(5 processes, \d+ MB\)\. .* start with gas_lab.start_cluster\(stop_others=True\)",
             second.stderr,
         )
         assert named, second.stderr
-        assert "gas_lab: stopped the ranks of 04_unmanaged.ipynb (5 processes" in second.stderr
+        assert (
+            "gas_lab notice: stopped the ranks of 04_unmanaged.ipynb (5 processes" in second.stderr
+        )
         # ... and the status the second notebook shows names them too, with how to stop them.
         assert "Other notebooks' ranks on this machine: 04_unmanaged.ipynb (5 processes" in (
             second.stdout

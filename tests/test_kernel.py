@@ -274,9 +274,11 @@ def test_after_stop_a_ranks_cell_says_the_ranks_are_new(kernel):
     msgs, reply, _ = kernel.run("c.stop()")
     assert reply["status"] == "ok"
     msgs, reply, _ = kernel.run("%%ranks\nprint(mine)")
-    assert "fresh ranks are starting; variables defined on the ranks by earlier cells are gone" in (
-        text_of(msgs)
-    )
+    # A notice, told from an error at a glance: its own display on a blue rule, not stderr's red.
+    said = "fresh ranks are starting; variables defined on the ranks by earlier cells are gone"
+    notices = [d for d in displayed(msgs) if said in d["text/plain"]]
+    assert len(notices) == 1 and notices[0]["text/plain"].startswith("gas_lab notice: ")
+    assert "border-left" in notices[0]["text/html"] and said not in text_of(msgs)
     assert reply["ename"] == "RankError" and "NameError" in reply["evalue"]
     assert "started anew for this call" in reply["evalue"]
 

@@ -18,10 +18,10 @@ from __future__ import annotations
 import os
 import pickle
 import signal
-import sys
 import time
 
 from gas_lab.runtime import build_lock
+from gas_lab.runtime.notices import notice
 from gas_lab.runtime.rank_errors import (
     LoneCollectiveError,
     RankError,
@@ -75,6 +75,9 @@ class Call:
         self.states: dict = {}
         self.out = RankOutput(self.ranks, cluster.noise)
         self.ops = build_lock.built_ops()  # to tell which C++ ops this call built
+        self.locks = set(build_lock.locks())  # locks that were there before: not this call's
+        self.build = None  # the C++ build in flight (_watch_build)
+        self.noticed: dict[str, float] = {}  # op -> seconds, builds already said as they ended
 
     def unfinished(self) -> list[int]:
         return [r for r, f in zip(self.ranks, self.futures, strict=True) if not f.ready()]
@@ -99,23 +102,81 @@ class Call:
     def _close_output(self) -> None:
         """Show the rest of the output of every rank that answered (ipyparallel's
         ``wait_for_output``), then end the live lines and add the cap's notes."""
+        if self.build is not None:
+            self._end_build()
         deadline = time.monotonic() + OUTPUT_GRACE
         for f in self.futures:
             if f.ready():
                 f.wait_for_output(max(0.0, deadline - time.monotonic()))
         self.out.close(self.futures)
 
+    def _watch_build(self) -> None:
+        """A C++ build on a rank (a new build lock: build_lock.py) is one notice line with a live
+        elapsed time instead of the compiler's lines, which go to a log file the line names;
+        when the lock goes, the line says "built in N s"."""
+        held = [lock for lock in build_lock.locks() if lock not in self.locks]
+        if self.build is None and held:
+            op = os.path.basename(os.path.dirname(held[0]))
+            log = os.path.join(os.path.dirname(held[0]), "gas_lab_build.log")
+            self.build = b = {"op": op, "log": log, "lock": held[0], "t0": time.monotonic()}
+            b["shown"], b["since"] = 0, self.cluster.process_output()
+            b["file"] = self.out.divert = open(log, "w")
+            b["file"].write(f"gas_lab: DeepSpeed's C++ op {op}, built in {os.path.dirname(log)}\n")
+            b["file"].write("--- what the ranks printed during the build ---\n")
+            b["notice"] = notice(self._building_text(b, 0))
+        elif self.build is not None:
+            b, seconds = self.build, time.monotonic() - self.build["t0"]
+            if held and seconds - b["shown"] >= 1:
+                b["shown"] = int(seconds)
+                b["notice"].update(self._building_text(b, seconds))
+            elif not held:
+                self._end_build()
+
+    @staticmethod
+    def _building_text(b: dict, seconds: float) -> str:
+        return (
+            f"building DeepSpeed's C++ op {b['op']}, once for this environment: {seconds:.0f} s "
+            f"(the compiler's output goes to {b['log']})"
+        )
+
+    def _end_build(self) -> None:
+        b, self.build = self.build, None
+        self.out.pump(self.futures)  # the build's last lines still go to its log
+        self.out.divert = None
+        for path, start in b["since"].items():  # ninja's and the compiler's own lines
+            with open(path, errors="replace") as f:
+                f.seek(start)
+                b["file"].write(f.read())
+        try:  # the compiler's commands (PyTorch shows their output only when a build fails)
+            with open(os.path.join(os.path.dirname(b["lock"]), "build.ninja")) as f:
+                b["file"].write("--- the commands ninja ran (build.ninja) ---\n" + f.read())
+        except OSError:
+            pass
+        b["file"].close()
+        seconds = time.monotonic() - b["t0"]
+        if os.path.exists(b["lock"]):  # the call ended first (an interrupt, a failure)
+            text = f"the build of DeepSpeed's C++ op {b['op']} had not finished after "
+            b["notice"].update(text + f"{seconds:.0f} s; its log: {b['log']}", final=True)
+            return
+        self.noticed[b["op"]] = seconds
+        b["notice"].update(self._built_text(b["op"], seconds, b["log"]), final=True)
+
+    @staticmethod
+    def _built_text(op: str, seconds: float, log: str | None) -> str:
+        text = (
+            f"built DeepSpeed's C++ op {op} in {seconds:.0f} s, once for this environment: it "
+            f"is kept in {build_lock.extensions_root()}"
+        )
+        return text + (f"; full log: {log}" if log else "")
+
     def _note_builds(self) -> None:
-        """Say which C++ ops the ranks built during this call, and keep it in ``cluster.built``.
-        (DeepSpeed prints "built successfully" whenever it loads an op, built or not: the
-        runtime hides that line.)"""
+        """Keep the C++ ops the ranks built during this call in ``cluster.built``, and say any
+        build not already said as it ended. (DeepSpeed prints "built successfully" whenever it
+        loads an op, built or not: the runtime hides that line.)"""
         for op, seconds in build_lock.builds_since(self.ops).items():
             self.cluster.built[op] = seconds
-            print(
-                f"gas_lab: the ranks built DeepSpeed's C++ op {op} ({seconds:.0f} s), once for "
-                f"this environment: it is kept in {build_lock.extensions_root()}",
-                file=sys.stderr,
-            )
+            if op not in self.noticed:
+                notice(self._built_text(op, seconds, None))
 
     # -- waiting ------------------------------------------------------------------------------
     def _wait(self) -> None:
@@ -131,6 +192,7 @@ class Call:
             now = time.monotonic()
             if now >= next_look:
                 self.died.update(self.cluster.dead_ranks())
+                self._watch_build()
                 next_look = now + 0.25
             if first_bad is None and (self.died or any(map(_failed, self.futures))):
                 first_bad = now
@@ -153,16 +215,17 @@ class Call:
                     work_timed, deadline = True, now + self.timeout
                     continue
                 for r, s in starting.items():
+                    if self.build is not None and s.kind in ("building", "build_lock"):
+                        continue  # the build's own line says it
                     if (r, s.kind) not in noted:
                         noted.add((r, s.kind))
-                        print(
-                            f"gas_lab: rank {r} is still {s.text} after {now - start:.0f} s: "
-                            f"start-up work, so the call waits for it (up to {STARTUP_LIMIT:g} s)",
-                            file=sys.stderr,
+                        notice(
+                            f"rank {r} is still {s.text} after {now - start:.0f} s: start-up "
+                            f"work, so the call waits for it (up to {STARTUP_LIMIT:g} s)"
                         )
                 kinds = {s.kind for s in starting.values()}
                 if "build_lock" in kinds:  # one check covers every waiting rank's lock
-                    build_lock.clear_stale_locks(say=lambda m: print(m, file=sys.stderr))
+                    build_lock.clear_stale_locks()
                 building = bool(kinds & {"building", "build_lock"})
                 deadline = now + (RESAMPLE_BUILD if building else RESAMPLE)
             time.sleep(0.05)

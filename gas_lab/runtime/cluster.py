@@ -39,6 +39,7 @@ from gas_lab.runtime import build_lock, lifetime
 from gas_lab.runtime.arguments import UsageError, check_seconds, check_world_size
 from gas_lab.runtime.calls import Call
 from gas_lab.runtime.magic import register_magic
+from gas_lab.runtime.notices import notice
 from gas_lab.runtime.on_rank import call_on_rank, exec_on_rank, remember_source, setup_rank
 from gas_lab.runtime.rank_errors import RankError, RankInterrupt, RankStallError  # noqa: F401
 from gas_lab.runtime.sending import ship_module_by_value, source_of
@@ -229,7 +230,7 @@ class Cluster(RankWatch):
         self._ipp = self._client = self._guardian = None
         self.pids, self._set_up = [], False
         if build_lock.locks():  # a C++ build killed part-way leaves its lock behind
-            build_lock.clear_stale_locks(say=lambda m: print(m, file=sys.stderr))
+            build_lock.clear_stale_locks()
 
     def restart(self) -> Cluster:
         self._end()
@@ -348,10 +349,9 @@ class Cluster(RankWatch):
         else:
             dead = "; ".join(f"rank {r} {how}" for r, how in self.dead_ranks().items())
             why = f"a rank had ended ({dead})"
-        print(
-            f"gas_lab: {why}, so {self.world_size} fresh ranks are starting; variables defined on "
-            "the ranks by earlier cells are gone: re-run the cells that defined them.",
-            file=sys.stderr,
+        notice(
+            f"{why}, so {self.world_size} fresh ranks are starting; variables defined on the "
+            "ranks by earlier cells are gone: re-run the cells that defined them."
         )
         self.restart()
         self.fresh = True
@@ -401,9 +401,9 @@ def start_cluster(
         _current = None
     ended = lifetime.end_orphans()
     if ended:
-        print(f"gas_lab: ended {ended} processes an earlier kernel left running", file=sys.stderr)
+        notice(f"ended {ended} processes an earlier kernel left running")
     if build_lock.locks():
-        build_lock.clear_stale_locks(say=lambda m: print(m, file=sys.stderr))
+        build_lock.clear_stale_locks()
     if not stop_others:
         _name_others()
     _current = Cluster(world_size, backend).start()
@@ -422,10 +422,9 @@ def _name_others() -> None:
     others = lifetime.other_clusters()
     if others:
         whose = "another notebook's" if len(others) == 1 else f"{len(others)} other notebooks'"
-        print(
-            f"gas_lab: {whose} ranks are running: {', '.join(map(_running_text, others))}. "
-            f"They share this machine's cores and memory; {STOP_OTHERS}.",
-            file=sys.stderr,
+        notice(
+            f"{whose} ranks are running: {', '.join(map(_running_text, others))}. "
+            f"They share this machine's cores and memory; {STOP_OTHERS}."
         )
 
 
@@ -435,10 +434,9 @@ def _stop_others() -> None:
         with open(os.path.join(c["folder"], "stopped_by"), "w") as f:  # that notebook says so
             f.write(me)
         lifetime.end_cluster(c["id"], None)  # its folder stays: its kernel still owns it
-        print(
-            f"gas_lab: stopped the ranks of {_running_text(c)}; that notebook starts fresh "
-            "ranks at its next rank cell.",
-            file=sys.stderr,
+        notice(
+            f"stopped the ranks of {_running_text(c)}; that notebook starts fresh ranks at its "
+            "next rank cell."
         )
 
 

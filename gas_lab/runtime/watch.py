@@ -20,6 +20,18 @@ class RankWatch:
             return []
         return [el for es in self._ipp.engines.values() for el in es.launchers.values()]
 
+    def process_output(self) -> dict[str, int]:
+        """The files the rank processes' own output goes to (below Python's ``print``: what a
+        compiler or ninja started by a rank writes), each with its size now."""
+        sizes = {}
+        for launcher in self._engine_launchers():
+            path = getattr(launcher, "output_file", "")
+            try:
+                sizes[path] = os.path.getsize(path)
+            except OSError:
+                continue
+        return sizes
+
     def dead_ranks(self) -> dict[int, str]:
         """Ranks whose process has ended, with how it ended (exit code or signal)."""
         import psutil
