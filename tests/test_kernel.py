@@ -14,6 +14,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from gas_lab.runtime.lifetime import running
+
 pytestmark = pytest.mark.ranks
 ROOT = Path(__file__).resolve().parents[1]
 GONE_WITHIN = 5.0  # seconds after the kernel is restarted, shut down or killed
@@ -91,14 +93,7 @@ START = "import gas_lab, os, time\nc = gas_lab.start_cluster(world_size=2, devic
 
 
 def _still_running(procs) -> list:
-    out = []
-    for p in procs:
-        try:
-            if p.status() != psutil.STATUS_ZOMBIE:
-                out.append(p)
-        except psutil.Error:
-            pass
-    return out
+    return [p for p in procs if running(p)]
 
 
 CASES = {

@@ -15,7 +15,7 @@ from gas_lab.runtime.cluster import Cluster, RankError
 
 
 def _marked(cluster_id: str) -> list[psutil.Process]:
-    return [p for p in lifetime._marked().get(cluster_id, []) if lifetime._running(p)]
+    return [p for p in lifetime._marked().get(cluster_id, []) if lifetime.running(p)]
 
 
 @pytest.mark.ranks

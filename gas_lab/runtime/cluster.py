@@ -30,7 +30,6 @@ import atexit
 import logging
 import os
 import re
-import socket
 import sys
 import tempfile
 import time
@@ -38,6 +37,7 @@ import time
 from gas_lab.runtime import build_lock, lifetime
 from gas_lab.runtime.arguments import UsageError, check_seconds, check_world_size
 from gas_lab.runtime.calls import Call
+from gas_lab.runtime.fresh import free_port
 from gas_lab.runtime.magic import register_magic
 from gas_lab.runtime.notices import notice
 from gas_lab.runtime.on_rank import call_on_rank, exec_on_rank, remember_source, setup_rank
@@ -89,13 +89,6 @@ _RANK_CMD = [sys.executable, "-m", "gas_lab.runtime.rank_process"]
 _FORK_RANKS = sys.platform == "linux"
 
 
-def _free_port() -> int:
-    """A TCP port that is free on loopback right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _listed(ranks: list[int]) -> str:
     return ",".join(map(str, ranks))
 
@@ -143,7 +136,7 @@ class Cluster(RankWatch):
 
         t0 = time.perf_counter()
         self.stopped_by_user = False
-        self.master_port = _free_port()
+        self.master_port = free_port()
         self.cluster_id = lifetime.new_cluster_id(self.master_port)
         self._tmp = tempfile.mkdtemp(prefix=lifetime.TMP_PREFIX)
         with open(os.path.join(self._tmp, "cluster_id"), "w") as f:

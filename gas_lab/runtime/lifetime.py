@@ -105,7 +105,7 @@ def end_processes(procs: list[psutil.Process], timeout: float = 5.0) -> None:
     waiting = list(everyone.values())
     while waiting and time.monotonic() < deadline:
         _, waiting = psutil.wait_procs(waiting, timeout=0.05)  # reaps our own children
-        waiting = [p for p in waiting if _running(p)]
+        waiting = [p for p in waiting if running(p)]
 
 
 def _parent(p: psutil.Process) -> int | None:
@@ -123,10 +123,14 @@ def _kill(procs: list[psutil.Process]) -> None:
             pass
 
 
-def _running(p: psutil.Process) -> bool:
+def running(p: psutil.Process | int | None) -> bool:
+    """Whether process ``p`` (or pid) still runs: not gone, and not a zombie, an ended process
+    that waits for its parent to collect it."""
     try:
+        if not isinstance(p, psutil.Process):
+            p = psutil.Process(p)
         return p.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
+    except (psutil.Error, ValueError, TypeError):  # gone; or no pid at all (None)
         return False
 
 
@@ -165,7 +169,7 @@ def other_clusters() -> list[dict]:
     marked, found, mine = _marked(), [], f"gas_lab-{os.getpid()}-"
     for folder in glob.glob(os.path.join(tempfile.gettempdir(), TMP_PREFIX + "*")):
         cid, notebook = (_read(folder, name) for name in ("cluster_id", "notebook"))
-        procs = [p for p in marked.get(cid, []) if _running(p)]
+        procs = [p for p in marked.get(cid, []) if running(p)]
         if cid is None or cid.startswith(mine) or not procs or not owner_alive(cid):
             continue
         name = notebook or f"the kernel with pid {_ID.match(cid)[1]}"
@@ -177,7 +181,7 @@ def other_clusters() -> list[dict]:
 
 def cluster_processes(cluster_id: str) -> list[psutil.Process]:
     """The running processes that carry ``cluster_id``'s marker."""
-    return [p for p in _marked().get(cluster_id, []) if _running(p)]
+    return [p for p in _marked().get(cluster_id, []) if running(p)]
 
 
 def memory_mb(procs) -> float:
