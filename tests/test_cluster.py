@@ -329,3 +329,29 @@ def test_on_a_gpu_machine_ranks_default_to_one_per_gpu_with_nccl():
     w = out["gpus"]
     assert out["world"] == w and out["backends"] == ["nccl"] * w
     assert out["received"] == [w * (w + 1) / 2] * w
+
+
+def test_readme_and_lesson00_name_every_runtime_call_a_lesson_uses():
+    """``cluster.push`` was used in lesson 07 and explained nowhere: every ``cluster.<name>`` and
+    ``%%ranks`` option the tutorials use is named in the README's runtime section and lesson 00."""
+    import glob
+
+    import nbformat
+
+    root = os.path.join(os.path.dirname(__file__), "..")
+    used = set()
+    for path in glob.glob(os.path.join(root, "tutorials", "*.ipynb")):
+        for cell in nbformat.read(path, as_version=4).cells:
+            if cell.cell_type == "code":
+                used |= set(re.findall(r"\bcluster\.([a-z_]+)", cell.source))
+                used |= {f"%%ranks {o}" for o in re.findall(r"%%ranks (--[a-z]+)", cell.source)}
+    assert {"run", "push", "pull", "stop"} <= used
+    with open(os.path.join(root, "README.md")) as f:
+        readme = f.read().split("## The runtime: ranks in a notebook")[1].split("\n## ")[0]
+    lesson = "\n".join(
+        c.source for c in nbformat.read(os.path.join(root, "tutorials", "00_setup.ipynb"), 4).cells
+    )
+    for name in sorted(used):
+        call = name if name.startswith("%%") else f"cluster.{name}"
+        assert call in readme, f"the README's runtime section does not name {call}"
+        assert call in lesson, f"lesson 00 does not name {call}"
