@@ -118,6 +118,18 @@ def test_cells_keep_state_on_each_rank(cluster, capsys):
     assert "raise KeyError('missing')" in str(info.value)  # the cell's own line, not ours
 
 
+def test_a_cells_value_outside_a_notebook_is_printed_per_rank(cluster, capsys):
+    """A plain script (gas_lab.check, a test) has no display: each rank's Out is a printed line."""
+    cluster.execute("import torch.distributed as dist\n[dist.get_rank()] * 2", cell="In[4]")
+    assert capsys.readouterr().out.splitlines()[-2:] == [
+        "[rank 0] Out[4]: [0, 0]",
+        "[rank 1] Out[4]: [1, 1]",
+    ]
+    cluster.execute("dist.get_rank();", ranks=[1])  # ; silences it, as in IPython
+    cluster.execute("x = dist.get_rank()\nx", ranks=[1])
+    assert capsys.readouterr().out.splitlines() == ["[rank 1] Out: 1"]
+
+
 def _renamed_collectives():
     import torch
     import torch.distributed as dist

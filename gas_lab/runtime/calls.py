@@ -48,6 +48,9 @@ OUTPUT_GRACE = 10.0
 # join) this soon after the start, and then this often.
 ALONE_FIRST = 0.5
 ALONE_EVERY = 0.5
+# Functions of torch.distributed that return at once (they live beside the collectives): a rank
+# sampled inside one is not waiting for the others.
+_QUERIES = {"get_rank", "get_world_size", "get_backend", "is_initialized", "get_group_rank"}
 
 
 def _failed(f) -> bool:
@@ -235,7 +238,7 @@ class Call:
         rank caught passing through (``dist.get_rank()`` lives beside the collectives) is not
         taken for one that waits."""
         for r, state in self.cluster.sample(self.unfinished()).items():
-            if state.kind != "collective":
+            if state.kind != "collective" or _QUERIES & {fn for _, _, fn in state.frames}:
                 seen.pop(r, None)
             elif seen.get(r) == state.frames:
                 self.alone[r] = self.states[r] = state
