@@ -5,7 +5,7 @@ nobody has used before).
 A case that can crash a rank, abort it from inside gloo or leave it waiting in a collective
 needs ranks of its own, bounded in time. Started as new interpreters, each rank pays the torch
 and DeepSpeed imports again (seconds per rank, more on a loaded machine). Here a *forker*
-process (this file run as a program) imports them once and waits for requests; for each
+process (:func:`_serve`) imports them once and waits for requests; for each
 :func:`run` it forks a *leader* in a session of its own, which sets ``RANK``, ``LOCAL_RANK``,
 ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` the way ``torchrun`` does and forks the
 ranks. Each rank calls ``module:function(*args)``, writes what it prints (faulthandler and C++
@@ -79,7 +79,8 @@ def _forker(env: dict) -> subprocess.Popen:
     proc = _forkers.get(key)
     if proc is None or proc.poll() is not None:
         proc = _forkers[key] = subprocess.Popen(
-            [sys.executable, "-m", "gas_lab.runtime.fresh"],
+            # -c, not -m: importing gas_lab imports this module, which -m would then run again.
+            [sys.executable, "-c", "from gas_lab.runtime.fresh import _serve; _serve()"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -183,6 +184,7 @@ def _serve() -> None:
     """The forker: import once, then one leader per request line, until stdin closes."""
     import importlib
 
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # an interrupt is for the notebook's own work
     for name in _IMPORTS:
         try:
             importlib.import_module(name)
@@ -196,8 +198,3 @@ def _serve() -> None:
         print(pid, flush=True)
         os.waitpid(pid, 0)
         print("done", flush=True)
-
-
-if __name__ == "__main__":
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # an interrupt is for the notebook's own work
-    _serve()
