@@ -34,8 +34,11 @@ $(STAMP): pyproject.toml constraints.txt
 # toast (and the update check) that would greet every learner; lab/page_config.json turns off
 # ipyparallel's "IP" cluster panel (its clusters are not the course's ranks); with
 # lab/jupyter_lab_config.py a notebook opens unmodified on any Python 3.11.x.
-lab: $(STAMP)  ## the course: JupyterLab on tutorials/
-	$(BIN)/jupyter lab --ip 127.0.0.1 --notebook-dir tutorials \
+# JupyterLab serves the learner's own copy, my_tutorials/ (git-ignored): running the course saves
+# outputs into the notebooks, and tutorials/ stays as pulled (tools/learner_copy.py says why).
+lab: $(STAMP)  ## the course: JupyterLab on your own copy of tutorials/ (my_tutorials/)
+	$(BIN)/python tools/learner_copy.py tutorials my_tutorials
+	$(BIN)/jupyter lab --ip 127.0.0.1 --notebook-dir my_tutorials \
 	  --LabApp.app_settings_dir=$(CURDIR)/lab --config=$(CURDIR)/lab/jupyter_lab_config.py $(ROOT_FLAG)
 
 # Test workers (pytest-xdist): the suite is mostly process start-up and waiting on other processes

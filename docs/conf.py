@@ -67,6 +67,10 @@ smartquotes = False
 html_theme = "sphinx_book_theme"
 html_title = "gas_lab: gradient accumulation, one device to ZeRO-1"
 html_theme_options = {"show_toc_level": 2}
+# The color mode a first visit starts in (before the reader picks one). The theme's page script
+# reads it from the page, where it is empty unless set here, and a first visit then logged
+# "Got invalid theme mode" as a console error.
+html_context = {"default_mode": "auto"}
 
 # Theme files no page loads (templates/layout.html leaves out fontawesome.js: the theme's CSS
 # draws the same icons from a web font), removed from the built site.

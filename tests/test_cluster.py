@@ -118,6 +118,18 @@ def test_cells_keep_state_on_each_rank(cluster, capsys):
     assert "raise KeyError('missing')" in str(info.value)  # the cell's own line, not ours
 
 
+def test_a_cells_value_outside_a_notebook_is_printed_per_rank(cluster, capsys):
+    """A plain script (gas_lab.check, a test) has no display: each rank's Out is a printed line."""
+    cluster.execute("import torch.distributed as dist\n[dist.get_rank()] * 2", cell="In[4]")
+    assert capsys.readouterr().out.splitlines()[-2:] == [
+        "[rank 0] Out[4]: [0, 0]",
+        "[rank 1] Out[4]: [1, 1]",
+    ]
+    cluster.execute("dist.get_rank();", ranks=[1])  # ; silences it, as in IPython
+    cluster.execute("x = dist.get_rank()\nx", ranks=[1])
+    assert capsys.readouterr().out.splitlines() == ["[rank 1] Out: 1"]
+
+
 def _renamed_collectives():
     import torch
     import torch.distributed as dist
@@ -144,7 +156,7 @@ def test_the_ranks_say_built_only_when_a_build_ran(cluster, capsys):
     first = "".join(capsys.readouterr())  # DeepSpeed's line is the ranks' stdout; ours stderr
     assert "built successfully" not in first
     built = dict(cluster.built)
-    assert ("gas_lab: the ranks built DeepSpeed's C++ op" in first) == (built != before)
+    assert ("gas_lab notice: built DeepSpeed's C++ op" in first) == (built != before)
     cluster.run(hello.train_tiny_deepspeed, 1)  # the op is in the environment's cache now
     assert "built" not in "".join(capsys.readouterr()) and cluster.built == built
 
@@ -163,6 +175,41 @@ def test_lesson00_says_built_only_when_the_ranks_built(cluster, capsys):
     first = next(ln for ln in capsys.readouterr().out.splitlines() if "first DeepSpeed" in ln)
     assert ("C++ build" in first) == (cluster.built != built_before), first
     assert "its C++ op was built before" in first or cluster.built != built_before
+
+
+def _spin(seconds):
+    import time
+
+    t = time.time()
+    while time.time() - t < seconds:
+        pass
+
+
+def test_status_says_each_ranks_pid_device_memory_and_whether_it_is_busy(cluster):
+    status = cluster.status()
+    assert [(r.rank, r.pid, r.device, r.state) for r in status.ranks] == [
+        (0, cluster.pids[0], "cpu", "idle"),
+        (1, cluster.pids[1], "cpu", "idle"),
+    ]
+    assert all(20 < r.mb < 2000 for r in status.ranks)
+    assert status.processes == 6 and sum(r.mb for r in status.ranks) < status.mb
+    text = repr(status)
+    assert text.splitlines()[0].startswith("gas_lab: this notebook's ranks: 2 ranks (gloo), 6 ")
+    assert f"   1  {cluster.pids[1]:>7}  cpu" in text
+    import threading
+
+    work = threading.Thread(target=cluster.run, args=(_spin, 4))  # a call still running
+    work.start()
+    time.sleep(1.5)
+    busy = cluster.status()
+    work.join(timeout=60)
+    import inspect
+
+    line = inspect.getsourcelines(_spin)[1] + 4  # the loop's line
+    assert [r.state.split(" (")[0] for r in busy.ranks] == [
+        f"busy: computing in _spin line {line}"
+    ] * 2
+    assert [r.state for r in cluster.status().ranks] == ["idle", "idle"]
 
 
 def test_everything_listens_on_loopback_only(cluster):
@@ -220,6 +267,7 @@ gas_lab.stop_cluster()
 _SECOND = """
 import gas_lab
 c = gas_lab.start_cluster(world_size=2, device="cpu")
+print(c.status())
 assert gas_lab.start_cluster(device="cpu", stop_others=True) is c
 gas_lab.stop_cluster()
 """
@@ -244,12 +292,18 @@ def test_a_second_notebook_names_the_first_ones_ranks_and_can_stop_them(tmp_path
         )
         assert second.returncode == 0, second.stderr
         named = re.search(
-            r"gas_lab: another notebook's ranks are running: 04_unmanaged.ipynb "
+            r"gas_lab notice: another notebook's ranks are running: 04_unmanaged.ipynb "
             r"\(5 processes, \d+ MB\)\. .* start with gas_lab.start_cluster\(stop_others=True\)",
             second.stderr,
         )
         assert named, second.stderr
-        assert "gas_lab: stopped the ranks of 04_unmanaged.ipynb (5 processes" in second.stderr
+        assert (
+            "gas_lab notice: stopped the ranks of 04_unmanaged.ipynb (5 processes" in second.stderr
+        )
+        # ... and the status the second notebook shows names them too, with how to stop them.
+        assert "Other notebooks' ranks on this machine: 04_unmanaged.ipynb (5 processes" in (
+            second.stdout
+        )
         assert not [
             p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"
         ]
@@ -287,3 +341,29 @@ def test_on_a_gpu_machine_ranks_default_to_one_per_gpu_with_nccl():
     w = out["gpus"]
     assert out["world"] == w and out["backends"] == ["nccl"] * w
     assert out["received"] == [w * (w + 1) / 2] * w
+
+
+def test_readme_and_lesson00_name_every_runtime_call_a_lesson_uses():
+    """``cluster.push`` was used in lesson 07 and explained nowhere: every ``cluster.<name>`` and
+    ``%%ranks`` option the tutorials use is named in the README's runtime section and lesson 00."""
+    import glob
+
+    import nbformat
+
+    root = os.path.join(os.path.dirname(__file__), "..")
+    used = set()
+    for path in glob.glob(os.path.join(root, "tutorials", "*.ipynb")):
+        for cell in nbformat.read(path, as_version=4).cells:
+            if cell.cell_type == "code":
+                used |= set(re.findall(r"\bcluster\.([a-z_]+)", cell.source))
+                used |= {f"%%ranks {o}" for o in re.findall(r"%%ranks (--[a-z]+)", cell.source)}
+    assert {"run", "push", "pull", "stop"} <= used
+    with open(os.path.join(root, "README.md")) as f:
+        readme = f.read().split("## The runtime: ranks in a notebook")[1].split("\n## ")[0]
+    lesson = "\n".join(
+        c.source for c in nbformat.read(os.path.join(root, "tutorials", "00_setup.ipynb"), 4).cells
+    )
+    for name in sorted(used):
+        call = name if name.startswith("%%") else f"cluster.{name}"
+        assert call in readme, f"the README's runtime section does not name {call}"
+        assert call in lesson, f"lesson 00 does not name {call}"

@@ -521,3 +521,21 @@ def test_api_reference_is_generated_from_docstrings(browser, site):
     text = browser.find_element("tag name", "article").text
     assert "start_cluster" in text and "initialize" in text
     assert "Should be overridden by all subclasses" not in text  # torch's, not ours
+
+
+def test_the_site_sets_a_valid_first_color_mode():
+    """pydata-sphinx-theme's script calls setTheme() with the page's data-mode, which a first
+    visit (nothing in localStorage yet) takes from html_context["default_mode"]: unset, it is
+    empty and the lesson 00 page logged "Got invalid theme mode" in the console."""
+    import runpy
+
+    conf = runpy.run_path(str(Path(__file__).resolve().parents[1] / "docs" / "conf.py"))
+    assert conf["html_context"]["default_mode"] in ("auto", "light", "dark")
+
+
+def test_a_first_visit_logs_no_console_error(browser, site):
+    """The first page a new reader opens, with nothing stored by the theme yet."""
+    visit(browser, site, "index.html")
+    browser.execute_script("window.localStorage.clear()")
+    seen = visit(browser, site, _lesson("00_setup"))
+    assert seen.problems == [], seen.problems

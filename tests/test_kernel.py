@@ -14,6 +14,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from gas_lab.runtime.lifetime import running
+
 pytestmark = pytest.mark.ranks
 ROOT = Path(__file__).resolve().parents[1]
 GONE_WITHIN = 5.0  # seconds after the kernel is restarted, shut down or killed
@@ -91,14 +93,7 @@ START = "import gas_lab, os, time\nc = gas_lab.start_cluster(world_size=2, devic
 
 
 def _still_running(procs) -> list:
-    out = []
-    for p in procs:
-        try:
-            if p.status() != psutil.STATUS_ZOMBIE:
-                out.append(p)
-        except psutil.Error:
-            pass
-    return out
+    return [p for p in procs if running(p)]
 
 
 CASES = {
@@ -274,9 +269,11 @@ def test_after_stop_a_ranks_cell_says_the_ranks_are_new(kernel):
     msgs, reply, _ = kernel.run("c.stop()")
     assert reply["status"] == "ok"
     msgs, reply, _ = kernel.run("%%ranks\nprint(mine)")
-    assert "fresh ranks are starting; variables defined on the ranks by earlier cells are gone" in (
-        text_of(msgs)
-    )
+    # A notice, told from an error at a glance: its own display on a blue rule, not stderr's red.
+    said = "fresh ranks are starting; variables defined on the ranks by earlier cells are gone"
+    notices = [d for d in displayed(msgs) if said in d["text/plain"]]
+    assert len(notices) == 1 and notices[0]["text/plain"].startswith("gas_lab notice: ")
+    assert "border-left" in notices[0]["text/html"] and said not in text_of(msgs)
     assert reply["ename"] == "RankError" and "NameError" in reply["evalue"]
     assert "started anew for this call" in reply["evalue"]
 
@@ -294,6 +291,8 @@ def test_a_rank_error_shows_the_ranks_own_traceback_first(kernel):
     lines = rendered(msgs)
     assert lines[0] == "Traceback on rank 1 (most recent call last):"
     assert re.fullmatch(r"  Cell In\[\d+\], line 3, in <module>", lines[1]), lines
+    # The cell under the prompt, not the next one (IPython counts the cell before running it).
+    assert lines[1].startswith(f"  Cell In[{reply['execution_count']}],"), lines
     assert lines[2:4] == ['    raise ValueError("boom")', "ValueError: boom"]
     assert lines[-1] == (
         "gas_lab: rank 1 failed; rank 0 finished; the ranks keep their variables. "
@@ -317,3 +316,83 @@ def test_a_stall_shows_where_the_rank_waits_first(kernel):
         "gas_lab: no result from rank 0 after 2 s (rank 1 finished); the ranks were restarted, "
         "variables on the ranks are lost. Full report: print(cluster.last_error)."
     )
+
+
+def displayed(messages) -> list[dict]:
+    """The data of each display in the cell, in order."""
+    return [m["content"]["data"] for _, m in messages if m["msg_type"] == "display_data"]
+
+
+def test_a_ranks_cells_last_expression_shows_each_ranks_value_like_out(kernel):
+    msgs, reply, _ = kernel.run("%%ranks\nimport torch.distributed as dist\ndist.get_rank() * 10")
+    assert reply["status"] == "ok", reply
+    n = reply["execution_count"]
+    assert [d["text/plain"] for d in displayed(msgs)] == [
+        f"[rank 0] Out[{n}]: 0",
+        f"[rank 1] Out[{n}]: 10",
+    ]
+    assert not any(m["msg_type"] == "execute_result" for _, m in msgs)
+    msgs, reply, _ = kernel.run("%%ranks\ndist.get_rank() * 10;  # quiet, as in IPython")
+    assert reply["status"] == "ok" and displayed(msgs) == []
+    msgs, _, _ = kernel.run("%%ranks\nprint('no value')\nNone")
+    assert displayed(msgs) == [] and "[rank 1] no value" in text_of(msgs)
+    # A rich value arrives as the rank's own mime bundle, below its label.
+    msgs, _, _ = kernel.run(
+        "%%ranks\nfrom IPython.display import HTML\nHTML(f'<b>{dist.get_rank()}</b>')"
+    )
+    shown = displayed(msgs)
+    n += 3
+    assert [d["text/plain"] for d in shown[::2]] == [f"[rank 0] Out[{n}]:", f"[rank 1] Out[{n}]:"]
+    assert [d.get("text/html") for d in shown[1::2]] == ["<b>0</b>", "<b>1</b>"]
+    # cluster.run's results stay a list, shown once as the cell's own Out.
+    msgs, reply, _ = kernel.run("c.run(lambda: 1)")
+    results = [m for _, m in msgs if m["msg_type"] == "execute_result"]
+    assert [m["content"]["data"]["text/plain"] for m in results] == ["[1, 1]"]
+
+
+def test_a_cell_on_chosen_ranks_runs_there_only(kernel):
+    msgs, reply, _ = kernel.run("%%ranks --rank 1\nimport os\nprint('here', os.environ['RANK'])")
+    assert reply["status"] == "ok", reply
+    assert "[rank 1] here 1" in text_of(msgs) and "[rank 0]" not in text_of(msgs)
+    msgs, reply, _ = kernel.run("%%ranks --rank 0,1\nimport os\nint(os.environ['RANK'])")
+    assert [d["text/plain"][9:] for d in displayed(msgs)] == [
+        f"Out[{reply['execution_count']}]: 0",
+        f"Out[{reply['execution_count']}]: 1",
+    ]
+    msgs, reply, _ = kernel.run("%%ranks --rank 2\nprint('ran')")
+    assert reply["ename"] == "UsageError" and "this notebook has ranks 0 to 1" in reply["evalue"]
+
+
+LONE = """%%ranks --rank 0
+import torch, torch.distributed as dist
+dist.all_reduce(torch.ones(1))
+"""
+
+
+def test_a_collective_on_chosen_ranks_ends_the_cell_soon_and_says_why(kernel):
+    msgs, reply, _ = kernel.run(LONE)
+    took = msgs[-1][0]
+    assert reply["status"] == "error" and reply["ename"] == "LoneCollectiveError", reply
+    assert took < 20, f"the cell ended after {took:.1f} s (the stall timeout is 60 s)"
+    lines = rendered(msgs)
+    assert lines[0] == "Stack on rank 0 (most recent call last):"
+    assert lines[1] == f"  Cell In[{reply['execution_count']}], line 2, in <module>", lines
+    assert lines[2] == "    dist.all_reduce(torch.ones(1))"
+    assert lines[-1] == (
+        "gas_lab: this cell runs on rank 0 only (%%ranks --rank 0) and rank 1 never joins the "
+        "collective, so it can never complete; the ranks were restarted, variables on the ranks "
+        "are lost. Collectives need every rank: run them in a %%ranks cell without --rank."
+    )
+    msgs, reply, _ = kernel.run("print(c.run(lambda: 'ready'))")
+    assert reply["status"] == "ok" and "['ready', 'ready']" in text_of(msgs)
+    print(f"a collective on rank 0 only: the cell ended after {took:.1f} s")
+
+
+def test_ranks_status_is_a_line_magic(kernel):
+    msgs, reply, _ = kernel.run("%ranks_status")
+    assert reply["status"] == "ok", reply
+    out = next(m for _, m in msgs if m["msg_type"] == "execute_result")["content"]["data"]
+    lines = out["text/plain"].splitlines()
+    assert lines[0].startswith("gas_lab: this notebook's ranks: 2 ranks (gloo), 6 processes")
+    assert [line.split()[0] for line in lines[2:4]] == ["0", "1"]
+    assert all(line.endswith("idle") and " cpu " in line for line in lines[2:4]), lines

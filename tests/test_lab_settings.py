@@ -14,7 +14,6 @@ import re
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
 from normalize_notebooks import in_form, kernel_metadata  # noqa: E402
+
+from gas_lab.runtime.fresh import free_port  # noqa: E402
 
 NEWS = "@jupyterlab/apputils-extension:notification"
 NOTEBOOKS = sorted(
@@ -47,12 +48,6 @@ def _make_lab_command() -> list[str]:
     return shlex.split(line)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory):
     """JupyterLab as `make lab` starts it, serving a copy of tutorials/ (a test may add files),
@@ -63,7 +58,7 @@ def lab(tmp_path_factory):
     other = json.loads((notebooks / "00_setup.ipynb").read_text())
     other["metadata"]["language_info"]["version"] = "3.11.0"
     (notebooks / "other_python.ipynb").write_text(json.dumps(other, indent=1) + "\n")
-    port, command = _free_port(), _make_lab_command()
+    port, command = free_port(), _make_lab_command()
     command[command.index("--notebook-dir") + 1] = str(notebooks)  # make lab's, copied
     command += [
         "--no-browser",

@@ -15,7 +15,7 @@ from gas_lab.runtime.cluster import Cluster, RankError
 
 
 def _marked(cluster_id: str) -> list[psutil.Process]:
-    return [p for p in lifetime._marked().get(cluster_id, []) if lifetime._running(p)]
+    return [p for p in lifetime._marked().get(cluster_id, []) if lifetime.running(p)]
 
 
 @pytest.mark.ranks
@@ -123,3 +123,35 @@ def test_a_clock_step_does_not_make_a_live_owner_look_gone(monkeypatch):
     monkeypatch.setattr(psutil._pslinux, "boot_time", lambda: boot_time() + 5.0)
     assert psutil.Process().create_time() == pytest.approx(started + 5.0)  # the clock was set
     assert lifetime.owner_alive(cluster_id)
+
+
+def test_memory_counts_pages_the_ranks_share_once():
+    """Forked processes share their parent's pages: their memory is the sum of PSS, not of RSS
+    (which counted the shared pages once per process: 756 MB for ranks whose PSS was 306 MB)."""
+    import psutil
+
+    from gas_lab.runtime.lifetime import memory_mb
+
+    code = (
+        "import os, sys, time\n"
+        "block = bytearray(os.urandom(1)) * (200 * 2**20)  # 200 MB, every page written\n"
+        "for _ in range(3):\n"
+        "    if os.fork() == 0:\n"
+        "        break\n"
+        "os.write(1, b'ready\\n')  # one line each, not interleaved\n"
+        "time.sleep(60)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        for _ in range(4):
+            assert proc.stdout.readline() == "ready\n"
+        family = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children()]
+        assert len(family) == 4
+        rss = sum(p.memory_info().rss for p in family) / 2**20
+        shared_once = memory_mb(family)
+        assert rss > 4 * 200 and 200 < shared_once < 300, (rss, shared_once)
+    finally:
+        for p in psutil.Process(proc.pid).children():
+            p.kill()
+        proc.kill()
+        proc.wait()

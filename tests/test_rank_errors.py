@@ -183,8 +183,11 @@ def test_the_ranks_line_parser_names_the_option():
     from gas_lab.runtime.arguments import UsageError
     from gas_lab.runtime.arguments import parse_ranks_line as parse_line
 
-    assert parse_line("", 60.0) == 60.0
-    assert parse_line("--timeout 300", 60.0) == parse_line("--timeout=300", 60.0) == 300.0
-    for line in ("--timeout", "--timeout abc", "--timeout 0", "--timeout -1", "--verbose"):
+    assert parse_line("", 60.0) == (60.0, None)
+    assert parse_line("--timeout 300", 60.0) == parse_line("--timeout=300", 60.0) == (300.0, None)
+    assert parse_line("--rank 0", 60.0) == parse_line("--rank=0", 60.0) == (60.0, [0])
+    assert parse_line("--rank 1,0 --timeout 5", 60.0) == (5.0, [0, 1])
+    bad = ("--timeout", "--timeout abc", "--timeout 0", "--timeout -1", "--verbose")
+    for line in (*bad, "--rank", "--rank x", "--rank -1", "--rank 0,"):
         with pytest.raises(UsageError, match="^%%ranks"):
             parse_line(line, 60.0)

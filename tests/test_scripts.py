@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from gas_lab.runtime.fresh import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -133,14 +135,6 @@ def test_the_script_matches_deepspeed_at_every_stage(cluster, tmp_path, stage, m
 
 
 # ------------------------------------- what the `deepspeed` launcher leaves in /dev/shm (issue 31)
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.ranks
 @pytest.mark.parametrize("script", ["hello_ranks.py", "train_unmanaged.py", "deepspeed_style.py"])
 def test_a_script_under_the_deepspeed_launcher_leaves_dev_shm_as_it_found_it(script):
@@ -151,7 +145,7 @@ def test_a_script_under_the_deepspeed_launcher_leaves_dev_shm_as_it_found_it(scr
     import threading
     import time
 
-    port = _free_port()  # the port is in the file names: only this run's files match
+    port = free_port()  # the port is in the file names: only this run's files match
     pattern = f"deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_{port}_*"
     args = {"hello_ranks.py": ["--steps", "1"], "train_unmanaged.py": ["--steps", "2"],
             "deepspeed_style.py": ["--deepspeed", "--deepspeed_config", str(CONFIG),

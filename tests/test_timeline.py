@@ -453,11 +453,15 @@ def test_explorer_records_each_setting_once_and_says_why_it_cannot(capsys):
     box.stage.value = 1
     box.stage.value = 0  # seen before: drawn again, not recorded again
     assert [c["stage"] for c in cluster.calls] == [0, 1]
+    bundle = box._repr_mimebundle_()
+    assert "<svg" in bundle["text/html"]  # the picture a viewer without a kernel shows
     box.mode.value = "managed"  # 3, 1 cannot run managed: said, not run
     assert len(cluster.calls) == 2 and "Not run" in box.message.value
     assert "gradient_accumulation_steps" in box.message.value
-    bundle = box._repr_mimebundle_()
-    assert "<svg" in bundle["text/html"]  # the picture a viewer without a kernel shows
+    # No picture under "Not run": the last one showed another setting than the buttons do.
+    assert "<svg" not in box._repr_mimebundle_()["text/html"]
+    box.mode.value = "unmanaged"  # runnable again: its picture comes back
+    assert "<svg" in box._repr_mimebundle_()["text/html"]
     capsys.readouterr()
 
 

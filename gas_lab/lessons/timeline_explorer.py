@@ -73,7 +73,7 @@ class TimelineExplorer(w.VBox if w is not None else object):
 
     def redraw(self, _change: object = None) -> None:
         """Record the setting if new (a DeepSpeed start costs about a second), then draw it;
-        a setting that cannot run says why and keeps the last picture."""
+        a setting that cannot run says why and clears the picture, which showed another setting."""
         from IPython.display import display
 
         s = self.settings()
@@ -81,6 +81,8 @@ class TimelineExplorer(w.VBox if w is not None else object):
             check_plan(s["library"], s["stage"], s["mode"], s["micro_batches"], 1, len(self.ns))
         except PlanError as e:
             self.message.value = f"<b>Not run:</b> {html.escape(e.reason)}"
+            self._svg = ""
+            self.out.clear_output()
             return
         key = repr(sorted(s.items()))
         if key not in self.recorded:

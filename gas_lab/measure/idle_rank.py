@@ -40,10 +40,8 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -233,7 +231,8 @@ def cases(libs=("deepspeed", "gas_lab")) -> list[dict]:
 
 # ---------------------------------------------------------------- one case in fresh processes
 def _rank_main(case: dict, out: str) -> None:
-    """Entry point of one rank process (``RANK``, ``WORLD_SIZE``... set by :func:`measure`)."""
+    """Entry point of one rank process (``RANK``, ``WORLD_SIZE``... set by
+    :func:`gas_lab.runtime.fresh.run`)."""
     import faulthandler
     import traceback
 
@@ -281,80 +280,24 @@ def _from_log(log: str) -> dict:
     return {"outcome": "no result", "message": log.strip().splitlines()[-1][:200] if log else ""}
 
 
-def _forked_ranks(case: dict, out: str, world_size: int) -> None:
-    """One fresh process: import torch and DeepSpeed once, then fork ``world_size`` ranks, each
-    writing its output to ``log<rank>.txt``; return when every rank has ended. A rank never
-    returns: it raises ``SystemExit``, or whatever ended it, up through the interpreter."""
-    import deepspeed  # noqa: F401  (the slow import, once for all ranks; DS_ACCELERATOR is set)
-
-    pids = []
-    for rank in range(world_size):
-        pid = os.fork()
-        if pid == 0:  # a rank: it ends as a fresh process would, through the interpreter's exit
-            os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank))
-            log = os.open(Path(out) / f"log{rank}.txt", os.O_WRONLY | os.O_CREAT)
-            os.dup2(log, 1)  # what the rank prints, faulthandler and C++ aborts included
-            os.dup2(log, 2)
-            _rank_main(case, out)
-            sys.exit(0)
-        pids.append(pid)
-    for pid in pids:
-        os.waitpid(pid, 0)
-
-
 def measure_case(case: dict, world_size: int = 2, timeout: float = HANG_S + 30) -> dict:
     """Run ``case`` on ``world_size`` fresh rank processes; what each rank did, and the seconds.
 
-    The ranks are forked from one new process that imports torch and DeepSpeed once (on Linux;
-    elsewhere each rank is a new interpreter), in a session of its own: at the timeout the whole
-    session is killed."""
-    import signal
-    import socket
+    The ranks are forked from a process that imported torch and DeepSpeed once for every case
+    (:mod:`gas_lab.runtime.fresh`), in a session of their own: at the timeout it is killed."""
+    from gas_lab.runtime import fresh
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(port), "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}  # fmt: skip
+    env = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     with tempfile.TemporaryDirectory() as out:
-        start = time.perf_counter()
-        if sys.platform == "linux":
-            code = "import json, sys; from gas_lab.measure.idle_rank import _forked_ranks; " \
-                   "_forked_ranks(json.loads(sys.argv[1]), sys.argv[2], int(sys.argv[3]))"  # fmt: skip
-            with open(Path(out) / "start.txt", "w") as log:  # what it says before forking
-                procs = [subprocess.Popen([sys.executable, "-c", code, json.dumps(case), out,
-                                           str(world_size)], env=env, stdout=log,
-                                          stderr=subprocess.STDOUT, start_new_session=True)]  # fmt: skip
-        else:
-            code = "import json, sys; from gas_lab.measure.idle_rank import _rank_main; " \
-                   "_rank_main(json.loads(sys.argv[1]), sys.argv[2])"  # fmt: skip
-            procs = []
-            for rank in range(world_size):
-                with open(Path(out) / f"log{rank}.txt", "w") as log:
-                    procs.append(subprocess.Popen(
-                        [sys.executable, "-c", code, json.dumps(case), out],
-                        env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
-                        stdout=log, stderr=subprocess.STDOUT, start_new_session=True))  # fmt: skip
-        deadline = start + timeout
-        for p in procs:
-            try:
-                p.wait(timeout=max(deadline - time.perf_counter(), 0.1))
-            except subprocess.TimeoutExpired:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)  # the process and every rank it forked
-                except (OSError, AttributeError):
-                    p.kill()
-                p.wait()
-        seconds = time.perf_counter() - start
+        target = "gas_lab.measure.idle_rank:_rank_main"
+        ran = fresh.run(target, [case, out], out, world_size, timeout, env)
         ranks = []
         for rank in range(world_size):
             result = Path(out) / f"rank{rank}.json"
             log = Path(out) / f"log{rank}.txt"
-            if not log.exists():  # never forked: the start's own output says why
-                log = Path(out) / "start.txt"
             text = log.read_text(errors="replace") if log.exists() else ""
             ranks.append(json.loads(result.read_text()) if result.exists() else _from_log(text))
-    return {**case, "ranks": ranks, "seconds": round(seconds, 1)}
+    return {**case, "ranks": ranks, "seconds": round(ran["seconds"], 1)}
 
 
 def summary(ranks: list[dict]) -> str:

@@ -6,7 +6,11 @@
 * :mod:`~gas_lab.runtime.rank_errors`: the errors a failed, stalled or interrupted call raises.
 * :mod:`~gas_lab.runtime.rank_state`, :mod:`~gas_lab.runtime.watch`: what an unfinished rank is
   doing (in a collective, or busy), which rank died and how.
-* :mod:`~gas_lab.runtime.streaming`: rank output in the cell while the ranks run.
+* :mod:`~gas_lab.runtime.streaming`, :mod:`~gas_lab.runtime.values`: rank output in the cell
+  while the ranks run; each rank's value of a ``%%ranks`` cell, shown like ``Out``.
+* :mod:`~gas_lab.runtime.status`: ``cluster.status()``, ``%ranks_status``: what each rank is.
+* :mod:`~gas_lab.runtime.notices`: what the runtime did, told apart from its errors.
+* :mod:`~gas_lab.runtime.fresh`: fresh ranks for one run, forked in a fraction of a second.
 * :mod:`~gas_lab.runtime.lifetime`: every process ends with the kernel; ``run_command``.
 * :mod:`~gas_lab.runtime.build_lock`: stale C++ build locks that make DeepSpeed wait forever.
 * :mod:`~gas_lab.runtime.arguments`, :mod:`~gas_lab.runtime.magic`,

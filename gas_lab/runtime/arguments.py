@@ -38,41 +38,56 @@ def check_seconds(value, name: str = "timeout") -> float:
     return float(value)
 
 
-USAGE = "%%ranks [--timeout SECONDS]"
-
-try:
-    from IPython.core.error import UsageError  # shown by IPython as one line, no traceback
-except ImportError:  # pragma: no cover (IPython comes with JupyterLab)
-
-    class UsageError(ValueError):
-        pass
+USAGE = "%%ranks [--timeout SECONDS] [--rank N[,N...]]"
 
 
-def parse_ranks_line(line: str, default_timeout: float) -> float:
-    """The timeout a ``%%ranks`` line asks for (``default_timeout`` when it names none)."""
+def parse_ranks_line(line: str, default_timeout: float) -> tuple[float, list[int] | None]:
+    """The timeout a ``%%ranks`` line asks for (``default_timeout`` when it names none), and the
+    ranks it runs on (``--rank 0`` or ``--rank 0,1``; None: every rank)."""
     try:
         parts = shlex.split(line)
     except ValueError as exc:
         raise UsageError(f"%%ranks {line}: {exc}; use {USAGE}") from None
-    timeout, i = default_timeout, 0
+    timeout, ranks, i = default_timeout, None, 0
     while i < len(parts):
         option = parts[i]
-        if option.startswith("--timeout="):
-            value, i = option.split("=", 1)[1], i + 1
-        elif option == "--timeout":
+        name, _, value = option.partition("=")
+        if name not in ("--timeout", "--rank"):
+            raise UsageError(f"%%ranks: unknown option {option!r}; use {USAGE}")
+        if not value:
             if i + 1 >= len(parts):
-                raise UsageError(
-                    "%%ranks --timeout needs a number of seconds: %%ranks --timeout 300"
-                )
+                example = "--timeout 300" if name == "--timeout" else "--rank 0"
+                what = "a number of seconds" if name == "--timeout" else "rank numbers"
+                raise UsageError(f"%%ranks {name} needs {what}: %%ranks {example}")
             value, i = parts[i + 1], i + 2
         else:
-            raise UsageError(f"%%ranks: unknown option {option!r}; use {USAGE}")
-        try:
-            timeout = float(value)
-        except ValueError:
-            raise UsageError(
-                f"%%ranks --timeout {value}: not a number of seconds; e.g. %%ranks --timeout 300"
-            ) from None
-        if not (math.isfinite(timeout) and timeout > 0):
-            raise UsageError(f"%%ranks --timeout {value}: the timeout must be more than 0 seconds")
+            i += 1
+        if name == "--rank":
+            ranks = _ranks(value)
+        else:
+            timeout = _timeout(value)
+    return timeout, ranks
+
+
+def _ranks(value: str) -> list[int]:
+    try:
+        ranks = sorted({int(r) for r in value.split(",")})
+    except ValueError:
+        raise UsageError(
+            f"%%ranks --rank {value}: not rank numbers; e.g. %%ranks --rank 0 or --rank 0,1"
+        ) from None
+    if ranks[0] < 0:
+        raise UsageError(f"%%ranks --rank {value}: ranks are numbered from 0")
+    return ranks
+
+
+def _timeout(value: str) -> float:
+    try:
+        timeout = float(value)
+    except ValueError:
+        raise UsageError(
+            f"%%ranks --timeout {value}: not a number of seconds; e.g. %%ranks --timeout 300"
+        ) from None
+    if not (math.isfinite(timeout) and timeout > 0):
+        raise UsageError(f"%%ranks --timeout {value}: the timeout must be more than 0 seconds")
     return timeout

@@ -114,8 +114,11 @@ def age_text(path: str) -> str:
     return f"{minutes:.0f} min old" if minutes >= 1 else "less than a minute old"
 
 
-def clear_stale_locks(root: str | None = None, say=print) -> list[str]:
-    """Remove the stale build locks (see the module docstring) and say which; return them."""
+def clear_stale_locks(root: str | None = None, say=None) -> list[str]:
+    """Remove the stale build locks (see the module docstring) and say which (a runtime notice,
+    unless ``say`` is given); return them."""
+    if say is None:
+        from gas_lab.runtime.notices import notice as say
     removed = []
     for lock in stale_locks(root):
         age = age_text(lock)
@@ -124,11 +127,11 @@ def clear_stale_locks(root: str | None = None, say=print) -> list[str]:
         except FileNotFoundError:
             continue
         except OSError as exc:
-            say(f"gas_lab: a stale build lock blocks DeepSpeed: delete it by hand: {lock} ({exc})")
+            say(f"a stale build lock blocks DeepSpeed: delete it by hand: {lock} ({exc})")
             continue
         removed.append(lock)
         say(
-            f"gas_lab: removed a stale build lock ({age}; no process held it), left by a C++ "
+            f"removed a stale build lock ({age}; no process held it), left by a C++ "
             f"build that was killed part-way: {lock}"
         )
     return removed

@@ -18,11 +18,17 @@ from __future__ import annotations
 import os
 import pickle
 import signal
-import sys
 import time
 
 from gas_lab.runtime import build_lock
-from gas_lab.runtime.rank_errors import RankError, RankInterrupt, RankStallError, error_text
+from gas_lab.runtime.notices import notice
+from gas_lab.runtime.rank_errors import (
+    LoneCollectiveError,
+    RankError,
+    RankInterrupt,
+    RankStallError,
+    error_text,
+)
 from gas_lab.runtime.streaming import RankOutput
 
 ERROR_GRACE = 5.0  # after one rank fails, how long the others get to finish before we stop waiting
@@ -38,6 +44,13 @@ RESAMPLE_BUILD = 10.0
 # A rank's result and its output travel on different channels, so the result can arrive while
 # the last of its output is still on the way: wait up to this long for the rest.
 OUTPUT_GRACE = 10.0
+# A cell on some ranks only: look for a rank waiting in a collective (which the other ranks never
+# join) this soon after the start, and then this often.
+ALONE_FIRST = 0.5
+ALONE_EVERY = 0.5
+# Functions of torch.distributed that return at once (they live beside the collectives): a rank
+# sampled inside one is not waiting for the others.
+_QUERIES = {"get_rank", "get_world_size", "get_backend", "is_initialized", "get_group_rank"}
 
 
 def _failed(f) -> bool:
@@ -47,14 +60,27 @@ def _failed(f) -> bool:
 class Call:
     """Wait for ``futures`` (one per rank of ``cluster``) and turn them into results or an error."""
 
-    def __init__(self, cluster, futures: list, timeout: float, what: str, restart: bool = True):
+    def __init__(
+        self,
+        cluster,
+        futures: list,
+        timeout: float,
+        what: str,
+        restart: bool = True,
+        ranks: list[int] | None = None,
+    ):
         self.cluster, self.futures, self.timeout = cluster, futures, timeout
         self.what, self.restart = what, restart
-        self.ranks = cluster.ranks
+        self.ranks = cluster.ranks if ranks is None else ranks  # the ranks ``futures`` run on
+        # On some ranks only (%%ranks --rank 0), a collective can never complete: watched for.
+        self.alone: dict = {}  # rank -> its state, once it was seen waiting in a collective
         self.died: dict[int, str] = {}
         self.states: dict = {}
         self.out = RankOutput(self.ranks, cluster.noise)
         self.ops = build_lock.built_ops()  # to tell which C++ ops this call built
+        self.locks = set(build_lock.locks())  # locks that were there before: not this call's
+        self.build = None  # the C++ build in flight (_watch_build)
+        self.noticed: dict[str, float] = {}  # op -> seconds, builds already said as they ended
 
     def unfinished(self) -> list[int]:
         return [r for r, f in zip(self.ranks, self.futures, strict=True) if not f.ready()]
@@ -72,36 +98,96 @@ class Call:
             self._close_output()
             self._note_builds()
             return self._outcome()
-        except (RankError, RankStallError, RankInterrupt) as exc:
+        except (RankError, RankStallError, RankInterrupt) as exc:  # LoneCollectiveError too
             self.cluster.last_error = exc  # the full report, after the notebook shows the gist
             raise
 
     def _close_output(self) -> None:
         """Show the rest of the output of every rank that answered (ipyparallel's
         ``wait_for_output``), then end the live lines and add the cap's notes."""
+        if self.build is not None:
+            self._end_build()
         deadline = time.monotonic() + OUTPUT_GRACE
         for f in self.futures:
             if f.ready():
                 f.wait_for_output(max(0.0, deadline - time.monotonic()))
         self.out.close(self.futures)
 
+    def _watch_build(self) -> None:
+        """A C++ build on a rank (a new build lock: build_lock.py) is one notice line with a live
+        elapsed time instead of the compiler's lines, which go to a log file the line names;
+        when the lock goes, the line says "built in N s"."""
+        held = [lock for lock in build_lock.locks() if lock not in self.locks]
+        if self.build is None and held:
+            op = os.path.basename(os.path.dirname(held[0]))
+            log = os.path.join(os.path.dirname(held[0]), "gas_lab_build.log")
+            self.build = b = {"op": op, "log": log, "lock": held[0], "t0": time.monotonic()}
+            b["shown"], b["since"] = 0, self.cluster.process_output()
+            b["file"] = self.out.divert = open(log, "w")
+            b["file"].write(f"gas_lab: DeepSpeed's C++ op {op}, built in {os.path.dirname(log)}\n")
+            b["file"].write("--- what the ranks printed during the build ---\n")
+            b["notice"] = notice(self._building_text(b, 0))
+        elif self.build is not None:
+            b, seconds = self.build, time.monotonic() - self.build["t0"]
+            if held and seconds - b["shown"] >= 1:
+                b["shown"] = int(seconds)
+                b["notice"].update(self._building_text(b, seconds))
+            elif not held:
+                self._end_build()
+
+    @staticmethod
+    def _building_text(b: dict, seconds: float) -> str:
+        return (
+            f"building DeepSpeed's C++ op {b['op']}, once for this environment: {seconds:.0f} s "
+            f"(the compiler's output goes to {b['log']})"
+        )
+
+    def _end_build(self) -> None:
+        b, self.build = self.build, None
+        self.out.pump(self.futures)  # the build's last lines still go to its log
+        self.out.divert = None
+        for path, start in b["since"].items():  # ninja's and the compiler's own lines
+            with open(path, errors="replace") as f:
+                f.seek(start)
+                b["file"].write(f.read())
+        try:  # the compiler's commands (PyTorch shows their output only when a build fails)
+            with open(os.path.join(os.path.dirname(b["lock"]), "build.ninja")) as f:
+                b["file"].write("--- the commands ninja ran (build.ninja) ---\n" + f.read())
+        except OSError:
+            pass
+        b["file"].close()
+        seconds = time.monotonic() - b["t0"]
+        if os.path.exists(b["lock"]):  # the call ended first (an interrupt, a failure)
+            text = f"the build of DeepSpeed's C++ op {b['op']} had not finished after "
+            b["notice"].update(text + f"{seconds:.0f} s; its log: {b['log']}", final=True)
+            return
+        self.noticed[b["op"]] = seconds
+        b["notice"].update(self._built_text(b["op"], seconds, b["log"]), final=True)
+
+    @staticmethod
+    def _built_text(op: str, seconds: float, log: str | None) -> str:
+        text = (
+            f"built DeepSpeed's C++ op {op} in {seconds:.0f} s, once for this environment: it "
+            f"is kept in {build_lock.extensions_root()}"
+        )
+        return text + (f"; full log: {log}" if log else "")
+
     def _note_builds(self) -> None:
-        """Say which C++ ops the ranks built during this call, and keep it in ``cluster.built``.
-        (DeepSpeed prints "built successfully" whenever it loads an op, built or not: the
-        runtime hides that line.)"""
+        """Keep the C++ ops the ranks built during this call in ``cluster.built``, and say any
+        build not already said as it ended. (DeepSpeed prints "built successfully" whenever it
+        loads an op, built or not: the runtime hides that line.)"""
         for op, seconds in build_lock.builds_since(self.ops).items():
             self.cluster.built[op] = seconds
-            print(
-                f"gas_lab: the ranks built DeepSpeed's C++ op {op} ({seconds:.0f} s), once for "
-                f"this environment: it is kept in {build_lock.extensions_root()}",
-                file=sys.stderr,
-            )
+            if op not in self.noticed:
+                notice(self._built_text(op, seconds, None))
 
     # -- waiting ------------------------------------------------------------------------------
     def _wait(self) -> None:
         start = time.monotonic()
         deadline, first_bad, next_look, noted = start + self.timeout, None, 0.0, set()
         work_timed = False  # the work after start-up got the call's own timeout
+        partial = self.ranks != self.cluster.ranks
+        next_alone, seen = start + ALONE_FIRST, {}
         # A rank that died never answers (nothing relays its death to ipyparallel): once every
         # other rank has answered, there is nothing left to wait for.
         while any(r not in self.died for r in self.unfinished()):
@@ -109,11 +195,16 @@ class Call:
             now = time.monotonic()
             if now >= next_look:
                 self.died.update(self.cluster.dead_ranks())
+                self._watch_build()
                 next_look = now + 0.25
             if first_bad is None and (self.died or any(map(_failed, self.futures))):
                 first_bad = now
             if first_bad is not None and now - first_bad > ERROR_GRACE:
                 return
+            if partial and now >= next_alone and self.cluster._set_up:
+                if self._alone_in_collective(seen):
+                    return
+                next_alone = time.monotonic() + ALONE_EVERY
             if now > deadline:
                 self.states = self.cluster.sample(self.unfinished())
                 starting = {r: s for r, s in self.states.items() if s.starting_up}
@@ -127,19 +218,33 @@ class Call:
                     work_timed, deadline = True, now + self.timeout
                     continue
                 for r, s in starting.items():
+                    if self.build is not None and s.kind in ("building", "build_lock"):
+                        continue  # the build's own line says it
                     if (r, s.kind) not in noted:
                         noted.add((r, s.kind))
-                        print(
-                            f"gas_lab: rank {r} is still {s.text} after {now - start:.0f} s: "
-                            f"start-up work, so the call waits for it (up to {STARTUP_LIMIT:g} s)",
-                            file=sys.stderr,
+                        notice(
+                            f"rank {r} is still {s.text} after {now - start:.0f} s: start-up "
+                            f"work, so the call waits for it (up to {STARTUP_LIMIT:g} s)"
                         )
                 kinds = {s.kind for s in starting.values()}
                 if "build_lock" in kinds:  # one check covers every waiting rank's lock
-                    build_lock.clear_stale_locks(say=lambda m: print(m, file=sys.stderr))
+                    build_lock.clear_stale_locks()
                 building = bool(kinds & {"building", "build_lock"})
                 deadline = now + (RESAMPLE_BUILD if building else RESAMPLE)
             time.sleep(0.05)
+
+    def _alone_in_collective(self, seen: dict) -> bool:
+        """Whether a chosen rank waits in a collective: seen twice in the same place, so that a
+        rank caught passing through (``dist.get_rank()`` lives beside the collectives) is not
+        taken for one that waits."""
+        for r, state in self.cluster.sample(self.unfinished()).items():
+            if state.kind != "collective" or _QUERIES & {fn for _, _, fn in state.frames}:
+                seen.pop(r, None)
+            elif seen.get(r) == state.frames:
+                self.alone[r] = self.states[r] = state
+            else:
+                seen[r] = state.frames
+        return bool(self.alone)
 
     def _any_in_collective(self) -> bool:
         return any(s.kind == "collective" for s in self.states.values())
@@ -217,6 +322,10 @@ class Call:
             (unsendable if kind == "unsendable" else errors)[r] = error_text(f)
         stalled = [r for r, f in ranked if not f.ready() and r not in self.died]
         fresh, self.cluster.fresh = self.cluster.fresh, False  # said once, by this call
+        if self.alone and not (self.died or errors or unsendable):
+            others = [r for r in self.cluster.ranks if r not in self.ranks]
+            self.cluster.restart()  # blocked in C++: nothing but a restart stops it
+            raise LoneCollectiveError(self.alone, self.ranks, others)
         if self.died or errors or unsendable:
             restarted = bool(self.died or stalled) and self.restart
             crash = {r: self.cluster.crash_report(r) for r in self.died}

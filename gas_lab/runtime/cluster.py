@@ -30,18 +30,21 @@ import atexit
 import logging
 import os
 import re
-import socket
 import sys
 import tempfile
 import time
 
 from gas_lab.runtime import build_lock, lifetime
-from gas_lab.runtime.arguments import check_seconds, check_world_size
+from gas_lab.runtime.arguments import UsageError, check_seconds, check_world_size
 from gas_lab.runtime.calls import Call
+from gas_lab.runtime.fresh import free_port
 from gas_lab.runtime.magic import register_magic
+from gas_lab.runtime.notices import notice
 from gas_lab.runtime.on_rank import call_on_rank, exec_on_rank, remember_source, setup_rank
 from gas_lab.runtime.rank_errors import RankError, RankInterrupt, RankStallError  # noqa: F401
 from gas_lab.runtime.sending import ship_module_by_value, source_of
+from gas_lab.runtime.status import STOP_OTHERS, ranks_status
+from gas_lab.runtime.values import show_values
 from gas_lab.runtime.watch import RankWatch
 
 DEFAULT_TIMEOUT = 60.0  # seconds a call may run before its unfinished ranks count as stalled
@@ -86,11 +89,8 @@ _RANK_CMD = [sys.executable, "-m", "gas_lab.runtime.rank_process"]
 _FORK_RANKS = sys.platform == "linux"
 
 
-def _free_port() -> int:
-    """A TCP port that is free on loopback right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _listed(ranks: list[int]) -> str:
+    return ",".join(map(str, ranks))
 
 
 def default_world_size() -> tuple[int, str]:
@@ -136,7 +136,7 @@ class Cluster(RankWatch):
 
         t0 = time.perf_counter()
         self.stopped_by_user = False
-        self.master_port = _free_port()
+        self.master_port = free_port()
         self.cluster_id = lifetime.new_cluster_id(self.master_port)
         self._tmp = tempfile.mkdtemp(prefix=lifetime.TMP_PREFIX)
         with open(os.path.join(self._tmp, "cluster_id"), "w") as f:
@@ -223,7 +223,7 @@ class Cluster(RankWatch):
         self._ipp = self._client = self._guardian = None
         self.pids, self._set_up = [], False
         if build_lock.locks():  # a C++ build killed part-way leaves its lock behind
-            build_lock.clear_stale_locks(say=lambda m: print(m, file=sys.stderr))
+            build_lock.clear_stale_locks()
 
     def restart(self) -> Cluster:
         self._end()
@@ -256,15 +256,58 @@ class Cluster(RankWatch):
         what = getattr(fn, "__qualname__", None) or repr(fn)
         return Call(self, self._submit(fn, *args, **kwargs), timeout, what).result()
 
-    def execute(self, code: str, timeout: float = DEFAULT_TIMEOUT, cell: str | None = None) -> None:
-        """Run source code on every rank, in each rank's persistent namespace (``%%ranks``).
-        ``cell`` names it in tracebacks (``In[7]``, what ``%%ranks`` passes)."""
+    def execute(
+        self,
+        code: str,
+        timeout: float = DEFAULT_TIMEOUT,
+        cell: str | None = None,
+        ranks: list[int] | None = None,
+    ) -> None:
+        """Run source code on every rank (or on ``ranks``), in each rank's persistent namespace
+        (``%%ranks``). A last line that is an expression shows each rank's value, as Jupyter
+        shows a cell's ``Out`` (:mod:`~gas_lab.runtime.values`). ``cell`` names it in
+        tracebacks (``In[7]``, what ``%%ranks`` passes)."""
         __tracebackhide__ = True
         timeout = check_seconds(timeout)
+        chosen = self._check_ranks(ranks)
         self._ensure_running()
         name = f"<%%ranks {cell or abs(hash(code))}>"
         remember_source(name, code.splitlines(keepends=True))  # for a stalled rank's stack
-        Call(self, self._submit(exec_on_rank, code, name), timeout, "the %%ranks cell").result()
+        futures = [
+            self._view(r).apply_async(call_on_rank, exec_on_rank, (code, name), {}) for r in chosen
+        ]
+        what = (
+            "the %%ranks cell"
+            if chosen == self.ranks
+            else f"the %%ranks --rank {_listed(chosen)} cell"
+        )
+        values = Call(self, futures, timeout, what, ranks=chosen).result()
+        show_values(chosen, values, cell)
+
+    def _check_ranks(self, ranks: list[int] | None) -> list[int]:
+        if ranks is None:
+            return self.ranks
+        wrong = [r for r in ranks if not 0 <= r < self.world_size]
+        if wrong or not ranks:
+            raise UsageError(
+                f"%%ranks --rank {_listed(ranks)}: this notebook has ranks 0 to "
+                f"{self.world_size - 1} (cluster.world_size is {self.world_size})"
+            )
+        return sorted(set(ranks))
+
+    def status(self):
+        """Each rank's pid, device, memory (PSS) and whether it is idle or busy (and where), this
+        notebook's processes, and other notebooks' ranks on this machine with how to stop them
+        (:mod:`~gas_lab.runtime.status`; ``%ranks_status`` in a notebook)."""
+        return ranks_status(self)
+
+    def queued(self) -> dict[int, int]:
+        """How many calls each rank has not finished (ipyparallel's queue status)."""
+        try:
+            found = self._client.queue_status(self._engines)
+        except Exception:
+            return {}
+        return {r: found.get(e, {}).get("queue", 0) for r, e in enumerate(self._engines)}
 
     def push(self, **names) -> None:
         """Copy notebook variables into every rank's namespace."""
@@ -299,10 +342,9 @@ class Cluster(RankWatch):
         else:
             dead = "; ".join(f"rank {r} {how}" for r, how in self.dead_ranks().items())
             why = f"a rank had ended ({dead})"
-        print(
-            f"gas_lab: {why}, so {self.world_size} fresh ranks are starting; variables defined on "
-            "the ranks by earlier cells are gone: re-run the cells that defined them.",
-            file=sys.stderr,
+        notice(
+            f"{why}, so {self.world_size} fresh ranks are starting; variables defined on the "
+            "ranks by earlier cells are gone: re-run the cells that defined them."
         )
         self.restart()
         self.fresh = True
@@ -352,9 +394,9 @@ def start_cluster(
         _current = None
     ended = lifetime.end_orphans()
     if ended:
-        print(f"gas_lab: ended {ended} processes an earlier kernel left running", file=sys.stderr)
+        notice(f"ended {ended} processes an earlier kernel left running")
     if build_lock.locks():
-        build_lock.clear_stale_locks(say=lambda m: print(m, file=sys.stderr))
+        build_lock.clear_stale_locks()
     if not stop_others:
         _name_others()
     _current = Cluster(world_size, backend).start()
@@ -364,7 +406,7 @@ def start_cluster(
 
 
 def _running_text(c: dict) -> str:
-    return f"{c['notebook']} ({c['processes']} processes, {c['mb']:.0f} MB)"
+    return f"{c['notebook']} ({c['processes']} processes, {c['mb']:.0f} MB)"  # MB: PSS
 
 
 def _name_others() -> None:
@@ -373,11 +415,9 @@ def _name_others() -> None:
     others = lifetime.other_clusters()
     if others:
         whose = "another notebook's" if len(others) == 1 else f"{len(others)} other notebooks'"
-        print(
-            f"gas_lab: {whose} ranks are running: {', '.join(map(_running_text, others))}. "
-            "They share this machine's cores and memory; to stop them, start with "
-            "gas_lab.start_cluster(stop_others=True), or shut that notebook's kernel down.",
-            file=sys.stderr,
+        notice(
+            f"{whose} ranks are running: {', '.join(map(_running_text, others))}. "
+            f"They share this machine's cores and memory; {STOP_OTHERS}."
         )
 
 
@@ -387,10 +427,9 @@ def _stop_others() -> None:
         with open(os.path.join(c["folder"], "stopped_by"), "w") as f:  # that notebook says so
             f.write(me)
         lifetime.end_cluster(c["id"], None)  # its folder stays: its kernel still owns it
-        print(
-            f"gas_lab: stopped the ranks of {_running_text(c)}; that notebook starts fresh "
-            "ranks at its next rank cell.",
-            file=sys.stderr,
+        notice(
+            f"stopped the ranks of {_running_text(c)}; that notebook starts fresh ranks at its "
+            "next rank cell."
         )
 
 

@@ -105,7 +105,7 @@ def end_processes(procs: list[psutil.Process], timeout: float = 5.0) -> None:
     waiting = list(everyone.values())
     while waiting and time.monotonic() < deadline:
         _, waiting = psutil.wait_procs(waiting, timeout=0.05)  # reaps our own children
-        waiting = [p for p in waiting if _running(p)]
+        waiting = [p for p in waiting if running(p)]
 
 
 def _parent(p: psutil.Process) -> int | None:
@@ -123,10 +123,14 @@ def _kill(procs: list[psutil.Process]) -> None:
             pass
 
 
-def _running(p: psutil.Process) -> bool:
+def running(p: psutil.Process | int | None) -> bool:
+    """Whether process ``p`` (or pid) still runs: not gone, and not a zombie, an ended process
+    that waits for its parent to collect it."""
     try:
+        if not isinstance(p, psutil.Process):
+            p = psutil.Process(p)
         return p.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
+    except (psutil.Error, ValueError, TypeError):  # gone; or no pid at all (None)
         return False
 
 
@@ -161,24 +165,45 @@ def end_orphans() -> int:
 def other_clusters() -> list[dict]:
     """The clusters other running kernels started on this machine (another notebook's ranks):
     ``id``, ``folder``, ``notebook`` (its name, when Jupyter told the kernel), ``processes``
-    and ``mb`` (resident memory). Each cluster's folder names its owner (``cluster_id``)."""
+    and ``mb`` (:func:`memory_mb`). Each cluster's folder names its owner (``cluster_id``)."""
     marked, found, mine = _marked(), [], f"gas_lab-{os.getpid()}-"
     for folder in glob.glob(os.path.join(tempfile.gettempdir(), TMP_PREFIX + "*")):
         cid, notebook = (_read(folder, name) for name in ("cluster_id", "notebook"))
-        procs = [p for p in marked.get(cid, []) if _running(p)]
+        procs = [p for p in marked.get(cid, []) if running(p)]
         if cid is None or cid.startswith(mine) or not procs or not owner_alive(cid):
             continue
-        rss = 0
-        for p in procs:
-            try:
-                rss += p.memory_info().rss
-            except psutil.Error:
-                pass
         name = notebook or f"the kernel with pid {_ID.match(cid)[1]}"
         found.append(
-            dict(id=cid, folder=folder, notebook=name, processes=len(procs), mb=rss / 2**20)
+            dict(id=cid, folder=folder, notebook=name, processes=len(procs), mb=memory_mb(procs))
         )
     return found
+
+
+def cluster_processes(cluster_id: str) -> list[psutil.Process]:
+    """The running processes that carry ``cluster_id``'s marker."""
+    return [p for p in _marked().get(cluster_id, []) if running(p)]
+
+
+def memory_mb(procs) -> float:
+    """The memory ``procs`` hold together, in MB, each shared page counted once: the sum of
+    their PSS (a page shared by n processes counts 1/n in each). The ranks are forked from one
+    process and share most pages, so a sum of RSS counts those pages once per process (756 MB
+    for ranks whose PSS was 306 MB). Where PSS is unknown (not Linux), USS, then RSS."""
+    total = 0
+    for p in procs:
+        if p is None:
+            continue
+        try:
+            full = p.memory_full_info()
+            total += getattr(full, "pss", None) or getattr(full, "uss", None) or full.rss
+        except psutil.AccessDenied:
+            try:
+                total += p.memory_info().rss
+            except psutil.Error:
+                pass
+        except psutil.Error:
+            pass
+    return total / 2**20
 
 
 def _read(folder: str, name: str) -> str | None:

@@ -154,8 +154,32 @@ def call_on_rank(fn, args, kwargs, source=None):
 
 
 def exec_on_rank(code: str, name: str):
-    """Runs on a rank: execute a ``%%ranks`` cell in the rank's persistent namespace."""
+    """Runs on a rank: execute a ``%%ranks`` cell in the rank's persistent namespace. As in
+    IPython, a last line that is an expression is the cell's value, unless a ``;`` ends the
+    cell: returned as the rank's mime bundle ``(data, metadata)`` (None when there is none)."""
+    import ast
+
     from IPython import get_ipython
 
+    ip = get_ipython()
     remember_source(name, code.splitlines(keepends=True))
-    exec(compile(code, name, "exec"), get_ipython().user_ns)
+    tree = ast.parse(code, name)
+    last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
+    exec(compile(tree, name, "exec"), ip.user_ns)
+    if last is None:
+        return None
+    value = eval(compile(ast.Expression(last.value), name, "eval"), ip.user_ns)
+    if value is None or _ends_with_semicolon(code):
+        return None
+    ip.user_ns["_"] = value  # as IPython keeps the last value
+    data, metadata = ip.display_formatter.format(value)
+    # A widget lives in this rank's kernel; the notebook could not draw it.
+    data.pop("application/vnd.jupyter.widget-view+json", None)
+    return data, metadata
+
+
+def _ends_with_semicolon(code: str) -> bool:
+    """IPython's rule: a ``;`` as the cell's last token silences its value."""
+    from IPython.core.displayhook import DisplayHook
+
+    return DisplayHook.semicolon_at_end_of_expression(code)

@@ -227,6 +227,38 @@ class RankStallError(TimeoutError):
         return [*own, "", f"{did}. {FULL_REPORT}"]
 
 
+class LoneCollectiveError(RankStallError):
+    """A cell ran on some ranks only (``%%ranks --rank 0``) and one of them waits in a
+    collective, which the other ranks never join: it can never complete. Said as soon as it is
+    seen, not after the timeout; the ranks were restarted (a rank waiting there cannot be
+    stopped). ``.states`` says where each such rank waits."""
+
+    def __init__(self, states: dict, chosen: list[int], others: list[int]):
+        self.chosen, self.others = chosen, others
+        option = ",".join(map(str, chosen))
+        self.said = (
+            f"this cell runs on {_ranks(chosen)} only (%%ranks --rank {option}) and "
+            f"{_ranks(others)} never {'joins' if len(others) == 1 else 'join'} the collective, so "
+            "it can never complete"
+        )
+        self.fix = "Collectives need every rank: run them in a %%ranks cell without --rank."
+        super().__init__(sorted(states), [], 0, states, restarted=True)
+        doing = "; ".join(f"rank {r} is {s.text}" for r, s in sorted(states.items()))
+        self.args = (f"{doing}, but {self.said}. {RESTARTED} {self.fix}",)
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+    def _render_traceback_(self) -> list[str]:
+        own = _where(min(self.states), {}, self.states)
+        return [
+            *own,
+            "",
+            f"gas_lab: {self.said}; the ranks were restarted, variables on the ranks are lost. "
+            + self.fix,
+        ]
+
+
 class RankInterrupt(KeyboardInterrupt):
     """Kernel -> Interrupt during a call on the ranks. ``.restarted`` says whether the work could
     be stopped on the ranks (False: they keep their variables) or the ranks had to be restarted;

@@ -58,6 +58,7 @@ class RankOutput:
         self.bars: dict[tuple[int, str], list] = {}  # [display handle, text, last update time]
         self.shown = dict.fromkeys(ranks, 0)
         self.dropped = dict.fromkeys(ranks, 0)
+        self.divert = None  # a file that takes the lines instead of the cell (a C++ build's log)
 
     def pump(self, futures: list) -> None:
         for r, f in zip(self.ranks, futures, strict=True):
@@ -102,6 +103,9 @@ class RankOutput:
 
     def _emit(self, key, line: str) -> None:
         r, stream = key
+        if self.divert is not None:
+            self.divert.write(f"[rank {r}] {line}\n")
+            return
         if self.noise.search(line):
             return
         if self.shown[r] + len(line) > self.limit:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 
-from gas_lab.runtime import rank_state
+from gas_lab.runtime import lifetime, rank_state
 from gas_lab.runtime.on_rank import sequence_number
 from gas_lab.runtime.rank_errors import exit_text
 
@@ -20,18 +20,24 @@ class RankWatch:
             return []
         return [el for es in self._ipp.engines.values() for el in es.launchers.values()]
 
+    def process_output(self) -> dict[str, int]:
+        """The files the rank processes' own output goes to (below Python's ``print``: what a
+        compiler or ninja started by a rank writes), each with its size now."""
+        sizes = {}
+        for launcher in self._engine_launchers():
+            path = getattr(launcher, "output_file", "")
+            try:
+                sizes[path] = os.path.getsize(path)
+            except OSError:
+                continue
+        return sizes
+
     def dead_ranks(self) -> dict[int, str]:
         """Ranks whose process has ended, with how it ended (exit code or signal)."""
-        import psutil
-
         dead = {}
         for r, pid in enumerate(self.pids):
-            try:
-                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                    continue
-            except psutil.Error:
-                pass
-            dead[r] = exit_text(self._exit_code(pid))
+            if not lifetime.running(pid):
+                dead[r] = exit_text(self._exit_code(pid))
         return dead
 
     def _exit_code(self, pid: int, wait: float = 2.0):
@@ -63,8 +69,6 @@ class RankWatch:
         killed first, and nobody else can know)."""
         import time
 
-        import psutil
-
         parent = next((e.pid for e in self._engine_launchers()), None)
         while True:
             try:
@@ -72,12 +76,7 @@ class RankWatch:
                     return int(f.read())
             except (OSError, ValueError):
                 pass  # not written yet
-            try:
-                if psutil.Process(parent).status() == psutil.STATUS_ZOMBIE:
-                    return None
-            except (psutil.Error, ValueError, TypeError):
-                return None
-            if time.monotonic() > deadline:
+            if not lifetime.running(parent) or time.monotonic() > deadline:
                 return None
             time.sleep(0.02)
 
