@@ -66,7 +66,6 @@ def test_a_first_deepspeed_start_is_start_up_work_not_a_stall(tmp_path):
     assert "--- what the ranks printed during the build ---" in logged
     assert "command = $cxx -MMD" in logged and "$cxx" not in proc.stdout + proc.stderr
     assert "built successfully" not in proc.stdout + proc.stderr
-    assert "start-up work, so the call waits for it" in proc.stderr
     # a word, not a substring: DeepSpeed's and the compiler's lines may say "installed"
     assert not re.search(r"\bstalled\b", proc.stderr) and os.listdir(tmp_path)  # built, cold
     print(f"cold DeepSpeed start with timeout=3: {result['seconds']:.1f} s")

@@ -218,10 +218,11 @@ class Call:
                     work_timed, deadline = True, now + self.timeout
                     continue
                 for r, s in starting.items():
-                    if self.build is not None and s.kind in ("building", "build_lock"):
-                        continue  # the build's own line says it
                     if (r, s.kind) not in noted:
+                        # noted even when unsaid: after start-up the work gets its own timeout
                         noted.add((r, s.kind))
+                        if self.build is not None and s.kind in ("building", "build_lock"):
+                            continue  # the build's own line says it
                         notice(
                             f"rank {r} is still {s.text} after {now - start:.0f} s: start-up "
                             f"work, so the call waits for it (up to {STARTUP_LIMIT:g} s)"
