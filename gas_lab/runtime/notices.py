@@ -12,17 +12,10 @@ from __future__ import annotations
 import html
 import sys
 
+from gas_lab.runtime.streaming import in_notebook
+
 PREFIX = "gas_lab notice: "
 _STYLE = "border-left: 3px solid #1f6feb; padding: 1px 8px; margin: 2px 0; font-family: monospace"
-
-
-def _in_notebook() -> bool:
-    try:
-        from IPython import get_ipython
-    except ImportError:
-        return False
-    ip = get_ipython()
-    return ip is not None and getattr(ip, "kernel", None) is not None
 
 
 def _bundle(text: str) -> dict:
@@ -37,7 +30,7 @@ class Notice:
     while outside one only the first and the :meth:`update` with ``final=True`` are printed."""
 
     def __init__(self, text: str):
-        self.live = _in_notebook()
+        self.live = in_notebook()
         self.handle = None
         if self.live:
             from IPython.display import display

@@ -32,7 +32,7 @@ class _Line:
         return self.text
 
 
-def _in_notebook() -> bool:
+def in_notebook() -> bool:
     """True inside a Jupyter kernel, where a display can be updated in place."""
     try:
         from IPython import get_ipython
@@ -52,7 +52,7 @@ class RankOutput:
 
     def __init__(self, ranks: list[int], noise, limit: int = OUTPUT_LIMIT):
         self.ranks, self.noise, self.limit = ranks, noise, limit
-        self.live = _in_notebook()
+        self.live = in_notebook()
         self.read: dict[tuple[int, str], int] = {}  # complete lines consumed, per (rank, stream)
         self.partial: dict[tuple[int, str], str] = {}  # the unfinished last line
         self.bars: dict[tuple[int, str], list] = {}  # [display handle, text, last update time]
