@@ -79,7 +79,11 @@ class CheckResult:
                 )
             lines.append(f"  the case: {BY_NAME[r.case].describe()}")
             if r.error is not None:
-                lines.append(f"  the error: parameters off by up to {_relative(r.error)}")
+                worst = max([r, *same], key=lambda x: x.error or 0.0)
+                where = f" (case '{worst.case}')" if same else ""
+                lines.append(
+                    f"  the error: parameters off by up to {_relative(worst.error)}{where}"
+                )
             if r.detail:
                 lines += ["  " + line for line in r.detail.rstrip().splitlines()]
             lines += [f"  diagnosis: {d}" for d in r.diagnosis]
