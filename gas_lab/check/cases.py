@@ -4,7 +4,8 @@ Each case is written down as labelled tokens per sequence: ``((1, 5), (6, 2))`` 
 two micro-batches of two sequences, the first with 1 and 5 labelled tokens. The counts are
 chosen so that wrong normalizations cannot pass by coincidence: within a step no two
 micro-batches and no two ranks hold the same number of labelled tokens, sequences differ in
-length, and prompts (attended, not labelled) differ in length too.
+length, prompts (attended, not labelled) differ in length too, and one rank holds more
+sequences than the other where both run as many micro-batches.
 """
 
 from __future__ import annotations
@@ -79,8 +80,8 @@ def micro_batch(tokens: tuple[int, ...], seed: int, step: int, rank: int, micro:
 
 
 CASES = (
-    Case("equal", "every rank runs the same number of micro-batches",
-         ((((1, 5), (6, 2)), ((3, 7), (4, 1))),)),
+    Case("equal", "every rank runs the same number of micro-batches (not of sequences)",
+         ((((1, 5), (6, 2)), ((3, 7, 2), (4, 1))),)),
     Case("unequal", "ranks run different numbers of micro-batches (3 and 1)",
          ((((2, 3), (7, 1), (4, 5)), ((6, 7),)),)),
     Case("empty sequences", "sequences with no label left",

@@ -113,10 +113,13 @@ class CheckResult:
                 f"<td>{html.escape(self.stage_verdict(s))}</td></tr>"
             )
         notes = "".join(
-            f"<li><b>stage {r.stage}, {html.escape(r.case)}</b>: "
+            f"<li><b>stage {r.stage}, {html.escape(r.case)}</b>"
+            + (f" ({len(same)} more alike)" if same else "")
+            + ": "
             + html.escape("; ".join(r.diagnosis))
+            + (f"<pre>{html.escape(r.detail)}</pre>" if r.detail else "")
             + "</li>"
-            for r in self.failures()
+            for r, same in self.grouped_failures()
         )
         verdict = "PASS" if self.ok else "FAIL"
         return (
