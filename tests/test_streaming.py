@@ -3,8 +3,7 @@ a growing text per stream whose unfinished last line a carriage return collapses
 
 import re
 
-from gas_lab.runtime.cluster import _NOISE
-from gas_lab.runtime.streaming import RankOutput
+from gas_lab.runtime.streaming import DEEPSPEED_NOISE, RankOutput
 
 
 class FakeResult:
@@ -14,7 +13,7 @@ class FakeResult:
 
 def test_lines_are_shown_as_they_complete_prefixed_with_the_rank(capsys):
     r0, r1 = FakeResult(), FakeResult()
-    out = RankOutput([0, 1], _NOISE)
+    out = RankOutput([0, 1], DEEPSPEED_NOISE)
     r0.stdout = "step 0\nstep 1\nhalf"
     out.pump([r0, r1])
     assert capsys.readouterr().out == "[rank 0] step 0\n[rank 0] step 1\n"
@@ -28,7 +27,7 @@ def test_lines_are_shown_as_they_complete_prefixed_with_the_rank(capsys):
 
 def test_a_progress_bar_is_one_line_not_hundreds(capsys):
     r0 = FakeResult()
-    out = RankOutput([0], _NOISE)
+    out = RankOutput([0], DEEPSPEED_NOISE)
     for i in range(1, 101):
         r0.stderr = f"train: {i:3d}%|"  # ipyparallel keeps only the latest state of the line
         out.pump([r0])
@@ -53,7 +52,7 @@ def test_known_noise_is_hidden(capsys):
         "/usr/bin/ld: cannot find -laio: No such file or directory\nreal output\n"
         "DeepSpeed deepspeed.ops.comm.deepspeed_shm_comm_op built successfully\n"
     )
-    RankOutput([0], _NOISE).close([r0])
+    RankOutput([0], DEEPSPEED_NOISE).close([r0])
     assert capsys.readouterr().out == "[rank 0] real output\n"
     # DeepSpeed's BF16_Optimizer reports memory at every start (lesson 08 starts a dozen)
     r0.stdout = (
@@ -62,5 +61,5 @@ def test_known_noise_is_hidden(capsys):
         "before initializing group 0\nafter initializing group 0\nend bf16_ optimizer\n"
         "real output\n"
     )
-    RankOutput([0], _NOISE).close([r0])
+    RankOutput([0], DEEPSPEED_NOISE).close([r0])
     assert capsys.readouterr().out == "[rank 0] real output\n"

@@ -91,3 +91,15 @@ def _timeout(value: str) -> float:
     if not (math.isfinite(timeout) and timeout > 0):
         raise UsageError(f"%%ranks --timeout {value}: the timeout must be more than 0 seconds")
     return timeout
+
+
+def default_world_size() -> tuple[int, str]:
+    """One rank per GPU with nccl where GPUs exist, else 2 CPU ranks with gloo."""
+    try:
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.device_count() > 0:
+            return torch.cuda.device_count(), "nccl"
+    except ImportError:
+        pass
+    return 2, "gloo"

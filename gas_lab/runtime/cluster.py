@@ -29,13 +29,17 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-import re
 import sys
 import tempfile
 import time
 
 from gas_lab.runtime import build_lock, lifetime
-from gas_lab.runtime.arguments import UsageError, check_seconds, check_world_size
+from gas_lab.runtime.arguments import (
+    UsageError,
+    check_seconds,
+    check_world_size,
+    default_world_size,
+)
 from gas_lab.runtime.calls import Call
 from gas_lab.runtime.fresh import free_port
 from gas_lab.runtime.magic import register_magic
@@ -43,23 +47,12 @@ from gas_lab.runtime.notices import notice
 from gas_lab.runtime.on_rank import call_on_rank, exec_on_rank, remember_source, setup_rank
 from gas_lab.runtime.rank_errors import RankError, RankInterrupt, RankStallError  # noqa: F401
 from gas_lab.runtime.sending import ship_module_by_value, source_of
-from gas_lab.runtime.status import STOP_OTHERS, ranks_status
+from gas_lab.runtime.status import name_others, ranks_status, stop_others_ranks
+from gas_lab.runtime.streaming import DEEPSPEED_NOISE
 from gas_lab.runtime.values import show_values
 from gas_lab.runtime.watch import RankWatch
 
 DEFAULT_TIMEOUT = 60.0  # seconds a call may run before its unfinished ranks count as stalled
-# Harmless lines DeepSpeed prints on a CPU-only machine while probing optional features
-# (async I/O needs libaio), its warning for the SGD the lessons allow on purpose
-# (zero_allow_untested_optimizer), the memory report its BF16_Optimizer prints at every start,
-# and "built successfully" at every load of an op, built or not (the runtime says when a build
-# ran: calls.Call._note_builds). Hidden so real output stands out. (The ranks' FutureWarnings
-# for collectives DeepSpeed calls by their old names are filtered on the ranks: on_rank.py.)
-_NOISE = re.compile(
-    r"cannot find -laio|collect2: error: ld returned|\[WARNING\].*untested optimizer"
-    r"|^(begin bf16_optimizer|end bf16_ optimizer|(before|after) initializing group \d+)$"
-    r"|^MA [\d.]+ GB +Max_MA|^CPU Virtual Memory: +used =|^DeepSpeed \S+ built successfully$"
-)
-
 # ipyparallel's hub admits a new engine only at a heartbeat after the engine first answered one:
 # with its default 3 s period, start-up waited 3-6 s for no reason. A fast period admits the
 # ranks within a fraction of a second; the number of missed beats tolerated is raised with it so
@@ -93,22 +86,10 @@ def _listed(ranks: list[int]) -> str:
     return ",".join(map(str, ranks))
 
 
-def default_world_size() -> tuple[int, str]:
-    """One rank per GPU with nccl where GPUs exist, else 2 CPU ranks with gloo."""
-    try:
-        import torch
-
-        if torch.cuda.is_available() and torch.cuda.device_count() > 0:
-            return torch.cuda.device_count(), "nccl"
-    except ImportError:
-        pass
-    return 2, "gloo"
-
-
 class Cluster(RankWatch):
     """A set of persistent rank processes. Use :func:`start_cluster` to get one."""
 
-    noise = _NOISE
+    noise = DEEPSPEED_NOISE
 
     def __init__(self, world_size: int, backend: str, pg_timeout: float = 120.0):
         self.world_size, self.backend, self.pg_timeout = world_size, backend, pg_timeout
@@ -385,7 +366,7 @@ def start_cluster(
             "GPU per rank. Use world_size <= the GPU count, or device='cpu'."
         )
     if stop_others:
-        _stop_others()
+        stop_others_ranks()
     if _current is not None and _current.running and not restart:
         if (_current.world_size, _current.backend) == (world_size, backend):
             return _current
@@ -398,39 +379,11 @@ def start_cluster(
     if build_lock.locks():
         build_lock.clear_stale_locks()
     if not stop_others:
-        _name_others()
+        name_others()
     _current = Cluster(world_size, backend).start()
     started = _current
     register_magic(lambda: _current or started, DEFAULT_TIMEOUT)
     return _current
-
-
-def _running_text(c: dict) -> str:
-    return f"{c['notebook']} ({c['processes']} processes, {c['mb']:.0f} MB)"  # MB: PSS
-
-
-def _name_others() -> None:
-    """One line naming the ranks other notebooks left running, and how to stop them: on a
-    laptop they hold memory (and cores, while they work) that these ranks need."""
-    others = lifetime.other_clusters()
-    if others:
-        whose = "another notebook's" if len(others) == 1 else f"{len(others)} other notebooks'"
-        notice(
-            f"{whose} ranks are running: {', '.join(map(_running_text, others))}. "
-            f"They share this machine's cores and memory; {STOP_OTHERS}."
-        )
-
-
-def _stop_others() -> None:
-    me = os.path.basename(os.environ.get("JPY_SESSION_NAME", "")) or "another notebook"
-    for c in lifetime.other_clusters():
-        with open(os.path.join(c["folder"], "stopped_by"), "w") as f:  # that notebook says so
-            f.write(me)
-        lifetime.end_cluster(c["id"], None)  # its folder stays: its kernel still owns it
-        notice(
-            f"stopped the ranks of {_running_text(c)}; that notebook starts fresh ranks at its "
-            "next rank cell."
-        )
 
 
 def stop_cluster() -> None:

@@ -9,7 +9,11 @@ splits each shared page among the processes that share it, so the numbers add up
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
+
+from gas_lab.runtime import lifetime
+from gas_lab.runtime.notices import notice
 
 STOP_OTHERS = (
     "to stop them, start with gas_lab.start_cluster(stop_others=True), or shut that "
@@ -54,10 +58,7 @@ class RanksStatus:
                 for r in self.ranks
             ]
         if self.others:
-            listed = ", ".join(
-                f"{c['notebook']} ({c['processes']} processes, {c['mb']:.0f} MB)"
-                for c in self.others
-            )
+            listed = ", ".join(map(running_text, self.others))
             lines.append(f"Other notebooks' ranks on this machine: {listed}; {STOP_OTHERS}.")
         else:
             lines.append("No other notebook's ranks run on this machine.")
@@ -99,3 +100,32 @@ def _proc(pid: int):
         return psutil.Process(pid)
     except psutil.Error:
         return None
+
+
+def running_text(c: dict) -> str:
+    """``04_unmanaged.ipynb (5 processes, 306 MB)``: another notebook's ranks, memory as PSS."""
+    return f"{c['notebook']} ({c['processes']} processes, {c['mb']:.0f} MB)"
+
+
+def name_others() -> None:
+    """One line naming the ranks other notebooks left running, and how to stop them: on a
+    laptop they hold memory (and cores, while they work) that these ranks need."""
+    others = lifetime.other_clusters()
+    if others:
+        whose = "another notebook's" if len(others) == 1 else f"{len(others)} other notebooks'"
+        notice(
+            f"{whose} ranks are running: {', '.join(map(running_text, others))}. "
+            f"They share this machine's cores and memory; {STOP_OTHERS}."
+        )
+
+
+def stop_others_ranks() -> None:
+    me = os.path.basename(os.environ.get("JPY_SESSION_NAME", "")) or "another notebook"
+    for c in lifetime.other_clusters():
+        with open(os.path.join(c["folder"], "stopped_by"), "w") as f:  # that notebook says so
+            f.write(me)
+        lifetime.end_cluster(c["id"], None)  # its folder stays: its kernel still owns it
+        notice(
+            f"stopped the ranks of {running_text(c)}; that notebook starts fresh ranks at its "
+            "next rank cell."
+        )
