@@ -38,18 +38,22 @@ def replayed(case: Case, n: Normalization, config: dict | None):
 def wrong_weights(
     case: Case, params, right: Normalization, config: dict | None, gas: int
 ) -> list[str]:
-    """Each known mistake that reproduces ``params`` on ``case``, in words; [NONE_KNOWN] if none.
-    (Where two mistakes weigh this case's tokens alike, both are named.)"""
+    """Each known mistake that reproduces ``params`` on ``case``, in words, the one that differs
+    from the objective in fewest ways first; [NONE_KNOWN] if none. (Where two mistakes weigh
+    this case's tokens alike, both are named: the cases cannot tell them apart.)"""
     named = {objective(r, right.constant, right.count_empty): r for r in REDUCTIONS}
-    out = []
+    found = []  # (how many things it does differently, the words): the simplest first
     for n in mistakes(right, gas, len(case.steps)):
         if agrees(params, replayed(case, n, config)):
             other = named.get(n)
             if other is not None:
-                out.append(f"the loop computes the '{other}' objective, not the one declared")
+                found.append(
+                    (1, f"the loop computes the '{other}' objective, not the one declared")
+                )
             else:
-                out.append("the loop " + "; and ".join(differences(n, right)))
-    return out or [NONE_KNOWN]
+                said = differences(n, right)
+                found.append((len(said), "the loop " + "; and ".join(said)))
+    return [words for _, words in sorted(found, key=lambda f: f[0])] or [NONE_KNOWN]
 
 
 def raised_by_loop(traceback_text: str) -> bool:

@@ -86,7 +86,8 @@ class CheckResult:
                 )
             if r.detail:
                 lines += ["  " + line for line in r.detail.rstrip().splitlines()]
-            lines += [f"  diagnosis: {d}" for d in r.diagnosis]
+            lines += [f"  diagnosis: {d}" for d in r.diagnosis[:1]]
+            lines += [f"  or, fitting these cases as well: {d}" for d in r.diagnosis[1:]]
         return "\n".join(lines)
 
     def grouped_failures(self) -> list[tuple[CaseResult, list[CaseResult]]]:
@@ -116,7 +117,7 @@ class CheckResult:
             f"<li><b>stage {r.stage}, {html.escape(r.case)}</b>"
             + (f" ({len(same)} more alike)" if same else "")
             + ": "
-            + html.escape("; ".join(r.diagnosis))
+            + html.escape(" Or, fitting these cases as well: ".join(r.diagnosis))
             + (f"<pre>{html.escape(r.detail)}</pre>" if r.detail else "")
             + "</li>"
             for r, same in self.grouped_failures()
