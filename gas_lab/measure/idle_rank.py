@@ -5,12 +5,12 @@ mode, and its measurement on DeepSpeed 0.19.8 and gas_lab.
 it; :func:`backward_calls` is the rule as code):
 
 Every rank joins every collective of a step. So a rank owes each step the ``backward()`` calls
-that hold its stage's collectives:
+that hold its stage's collectives::
 
-| | stage 0 | stage 1 | stages 2 and 3 |
-|---|---|---|---|
-| **unmanaged** | any number, none included | at least one | the busiest rank's count |
-| **managed** | one per micro-step, ``gradient_accumulation_steps`` in all | the same | the same |
+    | | stage 0 | stage 1 | stages 2 and 3 |
+    |---|---|---|---|
+    | **unmanaged** | any number, none included | at least one | the busiest rank's count |
+    | **managed** | one per micro-step, ``gradient_accumulation_steps`` in all | the same | the same |
 
 Managed, at stages 0 and 1 only the boundary micro-step's call reduces; at stages 2 and 3 every
 one does. A rank with fewer micro-batches makes up the difference with zero-weight
