@@ -38,11 +38,15 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
+from tqdm.auto import tqdm
+
 from gas_lab.check import diagnosis
 from gas_lab.check.cases import BY_NAME, WORLD_SIZE, chosen
 from gas_lab.check.objectives import REDUCTIONS, objective
 from gas_lab.check.report import PASS, CaseResult, CheckResult
-from gas_lab.check.trial import agrees, config_for, relative_error, replay, trial
+from gas_lab.check.trial import RTOL, agrees, config_for, relative_error, trial
+from gas_lab.runtime.cluster import start_cluster
+from gas_lab.runtime.rank_errors import RankError, RankStallError
 
 CASE_TIMEOUT_S = 20.0  # a case takes about a second; a rank that waits longer than this stalled
 LIBRARIES = ("deepspeed", "gas_lab")
@@ -91,9 +95,6 @@ def check_loop(
     """Check ``fn(engine, micro_batches)`` (the contract: this module's docstring) on the
     notebook's ranks (``cluster``, or 2 CPU ranks started for it); returns a
     :class:`~gas_lab.check.report.CheckResult`, which a notebook shows as a table."""
-    from gas_lab.runtime.cluster import start_cluster
-    from gas_lab.runtime.rank_errors import RankError, RankStallError
-
     stages = check_arguments(reduction, stages, library, constant, config)
     t0 = time.perf_counter()
     cluster = cluster or start_cluster(world_size=WORLD_SIZE, device="cpu")
@@ -105,34 +106,17 @@ def check_loop(
     if str(cfg.get("gradient_allreduce_op", "mean")).lower() == "sum":
         right = replace(right, times_world=False)  # the engine sums the ranks' gradients
     cluster.run(_import, library, timeout=600)
-    references, results = {}, []
+    results = []
     todo = [(s, c) for s in stages for c in chosen(equal_counts)]
-    bar = _progress(len(todo), progress)
+    bar = tqdm(total=len(todo), unit="case", leave=False, disable=not progress)
     for stage, case in todo:
         bar.set_description(f"stage {stage}, {case.name}")
         try:
             got = cluster.run(trial, fn, case.name, stage, library, config, timeout=CASE_TIMEOUT_S)
-        except RankStallError as err:
-            detail = "\n".join(err._render_traceback_())
-            why = diagnosis.crash(case, stage, hang=True)
-            results.append(CaseResult(stage, case.name, "hang", None, [why], detail))
-            bar.update()
-            continue
-        except RankError as err:
-            detail = "\n".join(err._render_traceback_())
-            by_loop = (
-                bool(err.errors)
-                and not err.died
-                and all(diagnosis.raised_by_loop(t) for t in err.errors.values())
-            )
-            outcome = "died" if err.died else "loop raised" if by_loop else "engine raised"
-            why = diagnosis.crash(case, stage, hang=False, by_loop=by_loop)
-            results.append(CaseResult(stage, case.name, outcome, None, [why], detail))
-            bar.update()
-            continue
-        if case.name not in references:
-            references[case.name] = replay(case.data(), right, config)
-        results.append(_judge(stage, case, got, references[case.name], right, config, gas))
+            reference = diagnosis.replayed(case, right, config)  # the same at every stage
+            results.append(_judge(stage, case, got, reference, right, config, gas))
+        except (RankError, RankStallError) as err:
+            results.append(_failed(stage, case, err))
         bar.update()
     bar.close()
     _keep_what_every_case_says(results)
@@ -150,46 +134,52 @@ def _keep_what_every_case_says(results: list[CaseResult]) -> None:
             r.diagnosis = [d for d in r.diagnosis if d in common]
 
 
+def _failed(stage, case, err) -> CaseResult:
+    """A case the ranks did not finish: the loop or the engine raised, a rank died, or a hang
+    (``RankStallError``); its traceback first, then what that means at this stage."""
+    detail = "\n".join(err._render_traceback_())
+    if isinstance(err, RankStallError):
+        return CaseResult(
+            stage, case.name, "hang", None, [diagnosis.crash(case, stage, True)], detail
+        )
+    by_loop = (
+        bool(err.errors)
+        and not err.died
+        and all(diagnosis.raised_by_loop(t) for t in err.errors.values())
+    )
+    outcome = "died" if err.died else "loop raised" if by_loop else "engine raised"
+    why = diagnosis.crash(case, stage, hang=False, by_loop=by_loop)
+    return CaseResult(stage, case.name, outcome, None, [why], detail)
+
+
 def _judge(stage, case, got, reference, right, config, gas) -> CaseResult:
     """A finished case: one step per call on every rank, the ranks agree, the reference reached."""
     took = [r["took"] for r in got]
     if any(t != 1 for per_rank in took for t in per_rank):
-        return CaseResult(stage, case.name, "not one step", None, [
+        why = (
             f"the engine's global_steps advanced by {took} per call on ranks 0, 1: the contract "
-            "is one optimizer step per call, engine.step() once after the micro-batches"])  # fmt: skip
+            "is one optimizer step per call, engine.step() once after the micro-batches"
+        )
+        return CaseResult(stage, case.name, "not one step", None, [why])
     params = got[0]["params"]
     if not agrees(got[1]["params"], params):
-        return CaseResult(stage, case.name, "ranks differ", relative_error(got[1]["params"], params),
-                          ["the ranks ended with different weights: every rank must call "
-                           "engine.step() after the same backward() calls"])  # fmt: skip
+        why = (
+            "the ranks ended with different weights: every rank must call engine.step() after "
+            "the same backward() calls"
+        )
+        error = relative_error(got[1]["params"], params)
+        return CaseResult(stage, case.name, "ranks differ", error, [why])
     error = relative_error(params, reference)
-    if error <= 1e-5:
+    if error <= RTOL:
         return CaseResult(stage, case.name, PASS, error)
     if error == float("inf"):
-        return CaseResult(stage, case.name, "not finite", error, [
+        why = (
             "the weights are NaN or inf: most often a division by a count that is 0 on some "
-            "rank or micro-batch (a rank without micro-batches, a sequence without labels)"])  # fmt: skip
-    return CaseResult(stage, case.name, "wrong weights", error,
-                      diagnosis.wrong_weights(BY_NAME[case.name], params, right, config, gas))  # fmt: skip
-
-
-class _NoBar:
-    def set_description(self, _):
-        pass
-
-    def update(self):
-        pass
-
-    def close(self):
-        pass
-
-
-def _progress(total: int, show: bool):
-    if not show:
-        return _NoBar()
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, unit="case", leave=False)
+            "rank or micro-batch (a rank without micro-batches, a sequence without labels)"
+        )
+        return CaseResult(stage, case.name, "not finite", error, [why])
+    said = diagnosis.wrong_weights(BY_NAME[case.name], params, right, config, gas)
+    return CaseResult(stage, case.name, "wrong weights", error, said)
 
 
 __all__ = ["CheckResult", "check_loop"]
