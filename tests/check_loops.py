@@ -46,20 +46,6 @@ def right_token(engine, micro_batches):
     engine.step()
 
 
-def right_sequence(engine, micro_batches):
-    world = dist.get_world_size()
-    sequences = total(sum(int(((mb["labels"] != -100).sum(1) > 0).sum()) for mb in micro_batches))
-    for mb, real in padded(micro_batches):
-        logits = engine(mb["input_ids"])
-        ce = F.cross_entropy(
-            logits.transpose(1, 2), mb["labels"], ignore_index=-100, reduction="none"
-        )
-        n = (mb["labels"] != -100).sum(1)
-        loss = (ce.sum(1) / n.clamp(min=1)).sum() * world / sequences
-        engine.backward(loss * (1.0 if real else 0.0))
-    engine.step()
-
-
 def unpadded_token(engine, micro_batches):
     """Right weights, but no zero-weight micro-batches: right only when counts are equal."""
     world, tokens = dist.get_world_size(), total(labelled(micro_batches))

@@ -16,6 +16,7 @@ import check_loops
 import psutil
 import pytest
 import torch
+from exercise_support import load_solutions
 
 from gas_lab.check import CASE_TIMEOUT_S, check_loop, diagnosis
 from gas_lab.check.__main__ import main
@@ -32,14 +33,18 @@ def test_the_weights_average_to_the_declared_objective(reduction):
     """(1/W) * sum of weight * cross-entropy over every rank is the objective, computed the
     plain way from random cross-entropies."""
     step = BY_NAME["empty sequences"].data()[0]
-    ce = {(r, m): torch.rand(mb["labels"].shape) for r, mbs in enumerate(step.ranks)
-          for m, mb in enumerate(mbs)}  # fmt: skip
+    ce = {
+        (r, m): torch.rand(mb["labels"].shape)
+        for r, mbs in enumerate(step.ranks)
+        for m, mb in enumerate(mbs)
+    }
     n = objective(reduction, constant=3.0)
     got = sum((n.weights(step, r, m) * ce[r, m]).sum() for r, m in ce) / step.world_size
     mask = {k: (step.ranks[k[0]][k[1]]["labels"] != -100).float() for k in ce}
     tokens = sum((ce[k] * mask[k]).sum() for k in ce)
-    per_seq = [((ce[k] * mask[k]).sum(1) / mask[k].sum(1).clamp(min=1))[mask[k].sum(1) > 0]
-               for k in ce]  # fmt: skip
+    per_seq = [
+        ((ce[k] * mask[k]).sum(1) / mask[k].sum(1).clamp(min=1))[mask[k].sum(1) > 0] for k in ce
+    ]
     sequences = sum(len(s) for s in per_seq)
     want = {
         "token": tokens / sum(m.sum() for m in mask.values()),
@@ -86,8 +91,11 @@ def test_every_known_mistake_is_named_by_its_own_diagnosis(reduction):
     named = {objective(r): r for r in REDUCTIONS}
     for n in mistakes(right, gas=4, steps=1):
         said = diagnosis.wrong_weights(case, replay(case.data(), n, config), right, config, 4)
-        want = (f"the loop computes the '{named[n]}' objective" if n in named
-                else "the loop " + "; and ".join(differences(n, right)))  # fmt: skip
+        want = (
+            f"the loop computes the '{named[n]}' objective"
+            if n in named
+            else "the loop " + "; and ".join(differences(n, right))
+        )
         assert any(s.startswith(want) for s in said), (n, said)
 
 
@@ -120,8 +128,10 @@ def test_bad_usage_is_one_line_naming_the_argument_and_exit_2(argv, names, capsy
 # -- on the session's ranks -------------------------------------------------------------------
 @pytest.mark.ranks
 def test_right_loops_pass_at_stages_0_to_2_on_both_libraries(cluster):
-    for fn, reduction in ((check_loops.right_token, "token"),
-                          (check_loops.right_sequence, "sequence")):  # fmt: skip
+    for fn, reduction in (
+        (check_loops.right_token, "token"),
+        (load_solutions("appendix_a6").sequence_step, "sequence"),
+    ):
         for library in ("deepspeed", "gas_lab"):
             result = check_loop(fn, reduction, cluster=cluster, library=library, progress=False)
             assert result.ok, str(result)
@@ -132,8 +142,9 @@ def test_right_loops_pass_at_stages_0_to_2_on_both_libraries(cluster):
 def test_both_libraries_give_a_wrong_loop_the_same_verdicts(cluster):
     verdicts = {}
     for library in ("deepspeed", "gas_lab"):
-        result = check_loop(check_loops.mean_of_means, cluster=cluster, library=library,
-                            progress=False)  # fmt: skip
+        result = check_loop(
+            check_loops.mean_of_means, cluster=cluster, library=library, progress=False
+        )
         verdicts[library] = [(r.stage, r.case, r.outcome, r.diagnosis) for r in result.results]
     assert verdicts["deepspeed"] == verdicts["gas_lab"]
     assert any("a mean of micro-batch means" in d for *_, ds in verdicts["gas_lab"] for d in ds)
@@ -158,11 +169,18 @@ def test_a_wrong_loop_gets_the_diagnosis_of_its_mistake(cluster, loop, says):
 @pytest.mark.ranks
 def test_backward_dividing_by_gas_is_named(cluster):
     config = {**default_config(0), "gradient_accumulation_steps": 4}
-    result = check_loop(check_loops.right_token, stages=(0,), config=config, cluster=cluster,
-                        equal_counts=True, progress=False)  # fmt: skip
+    result = check_loop(
+        check_loops.right_token,
+        stages=(0,),
+        config=config,
+        cluster=cluster,
+        equal_counts=True,
+        progress=False,
+    )
     assert not result.ok
-    assert all(any("gradient_accumulation_steps (4)" in d for d in r.diagnosis)
-               for r in result.failures())  # fmt: skip
+    assert all(
+        any("gradient_accumulation_steps (4)" in d for d in r.diagnosis) for r in result.failures()
+    )
 
 
 @pytest.mark.ranks
@@ -173,8 +191,9 @@ def test_a_loop_right_only_for_equal_counts_gets_that_verdict_by_name(cluster):
         assert result.stage_verdict(stage).startswith("right only when every rank runs the same")
     idle = next(r for r in result.results if r.stage == 1 and r.case == "idle rank")
     assert "runs one zero-weight micro-batch" in idle.diagnosis[0]
-    assert check_loop(check_loops.unpadded_token, cluster=cluster, equal_counts=True,
-                      progress=False).ok  # fmt: skip
+    assert check_loop(
+        check_loops.unpadded_token, cluster=cluster, equal_counts=True, progress=False
+    ).ok
 
 
 @pytest.mark.ranks
@@ -190,16 +209,16 @@ def test_a_loop_that_raises_shows_its_own_traceback_first(cluster):
 
 @pytest.mark.ranks
 def test_a_loop_that_calls_step_twice_breaks_the_contract(cluster):
-    result = check_loop(check_loops.two_steps, stages=(0,), cluster=cluster, equal_counts=True,
-                        progress=False)  # fmt: skip
+    result = check_loop(
+        check_loops.two_steps, stages=(0,), cluster=cluster, equal_counts=True, progress=False
+    )
     assert {r.outcome for r in result.results} == {"not one step"}
 
 
 @pytest.mark.ranks
 def test_a_loop_that_hangs_is_stopped_within_the_bound(cluster):
     t0 = time.perf_counter()
-    result = check_loop(check_loops.hangs_when_idle, stages=(0,), cluster=cluster,
-                        progress=False)  # fmt: skip
+    result = check_loop(check_loops.hangs_when_idle, stages=(0,), cluster=cluster, progress=False)
     hung = [r for r in result.failures()]
     assert [(r.case, r.outcome) for r in hung] == [("idle rank", "hang")]
     assert "every rank must call it" in hung[0].diagnosis[0]
@@ -224,8 +243,11 @@ def test_the_command_exits_0_or_1_and_leaves_no_process(tmp_path, loop, code):
     env = {**os.environ, "TMPDIR": str(tmp_path), "DS_ACCELERATOR": "cpu"}
     run = subprocess.run(
         [sys.executable, "-m", "gas_lab.check", f"{LOOPS}:{loop}", "--stages", "0", "--json"],
-        capture_output=True, text=True, env=env, timeout=300,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert run.returncode == code, run.stderr[-3000:]
     doc = json.loads(run.stdout)
     assert doc["ok"] is (code == 0) and doc["stages"] == [0]
