@@ -188,7 +188,8 @@ def test_gas_lab_refuses_a_managed_window_without_its_boundary_backward(case):
     _same_verdict_or_refused_alike(ours)
     short, busy = ours["ranks"]  # rank 0 has 1 micro-batch of GAS = 2, rank 1 has 2
     assert (short["exception"], short["refused_as"]) == ("RejectedCombination", "TypeError")
-    assert busy["outcome"] == "raised" and "closed by peer" in busy["message"]
+    # the peer's connection closed, or reset where it left data unread (it skips teardown)
+    assert busy["outcome"] == "raised" and "by peer" in busy["message"], busy
 
 
 @pytest.mark.parametrize("stage, raises", [(1, "IndexError"), (2, "TypeError")])
@@ -197,7 +198,8 @@ def test_gas_lab_at_stages_1_and_2_refuses_the_idle_rank_as_deepspeed_fails(stag
                     loop="raw")  # fmt: skip
     idle, busy = case["ranks"]
     assert (idle["exception"], idle["refused_as"]) == ("RejectedCombination", raises)
-    assert busy["outcome"] == "raised" and "closed by peer" in busy["message"]
+    # the peer's connection closed, or reset where it left data unread (it skips teardown)
+    assert busy["outcome"] == "raised" and "by peer" in busy["message"], busy
 
 
 def test_all_ranks_idle_at_stage_0_is_a_trap():
@@ -244,5 +246,6 @@ def test_an_idle_rank_at_stage_1_still_fails_in_fresh_processes(lib):
         assert (idle["exception"], idle["message"]) == ("IndexError", "list index out of range")
     else:
         assert (idle["exception"], idle["refused_as"]) == ("RejectedCombination", "IndexError")
-    assert busy["outcome"] == "raised" and "closed by peer" in busy["message"]
+    # the peer's connection closed, or reset where it left data unread (it skips teardown)
+    assert busy["outcome"] == "raised" and "by peer" in busy["message"], busy
     assert got["seconds"] < idle_rank.HANG_S  # the busy rank does not wait for a timeout
