@@ -25,6 +25,13 @@ def _all_reduce_and_say(word: str) -> None:
         raise SystemExit(3)
 
 
+def _fail(how: str) -> None:
+    print("before", flush=False)  # still in the log: the rank flushes before it ends
+    if how == "raise":
+        raise ValueError("the loop's own error")
+    raise SystemExit("a message, no code")
+
+
 def _wait_forever() -> None:
     time.sleep(600)
 
@@ -45,6 +52,19 @@ def test_fresh_ranks_get_torchruns_variables_a_log_and_an_exit_code(tmp_path):
     # torch and DeepSpeed were imported once, by the forker: new ranks in about a second
     assert again["seconds"] < 5, again
     print(f"fresh ranks: first run {first['seconds']:.1f} s, second {again['seconds']:.1f} s")
+
+
+@pytest.mark.parametrize(("how", "said"), [("raise", "ValueError: the loop's own error"),
+                                          ("exit", "a message, no code")])  # fmt: skip
+def test_a_rank_ends_as_an_interpreter_would_report_it(tmp_path, how, said):
+    """Without the interpreter's teardown, but with its exit code and what it would print."""
+    got = fresh.run(f"{__name__}:_fail", [how], tmp_path)
+    assert got["exit_codes"] == [1, 1]
+    for rank in (0, 1):
+        log = (tmp_path / f"log{rank}.txt").read_text()
+        assert log.startswith("before\n") and said in log, log
+    if how == "raise":
+        assert "Traceback (most recent call last)" in log
 
 
 def test_a_run_past_its_timeout_is_killed_whole(tmp_path):

@@ -203,6 +203,10 @@ def _serve() -> None:
     import importlib
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # an interrupt is for the notebook's own work
+    # The answers get a pipe of their own; what the imports print (DeepSpeed logs to stdout
+    # when DS_ACCELERATOR is unset) goes to stderr, not into the answers.
+    answers = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
     for name in _IMPORTS:
         try:
             importlib.import_module(name)
@@ -213,6 +217,6 @@ def _serve() -> None:
         pid = os.fork()
         if pid == 0:
             _lead(request)  # never returns
-        print(pid, flush=True)
+        print(pid, file=answers)
         os.waitpid(pid, 0)
-        print("done", flush=True)
+        print("done", file=answers)
