@@ -6,6 +6,10 @@ accepts and rejects exactly what DeepSpeed did in gas_lab's scope (ZeRO 0/1, ZeR
 no offload/pipeline/compile), and outside it says "not in gas_lab" before DeepSpeed would fail.
 """
 
+import dataclasses
+import pickle
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -160,6 +164,23 @@ def test_skipping_is_scoped_to_its_block():
     with refusals.skipping({rule.name}):
         assert prediction.predict(config) == (None, None)
     assert prediction.predict(config)[0] is rule
+
+
+def test_a_rule_travels_pickled_by_name():
+    """Ranks send refusals back pickled, and a rule's condition (often a lambda) does not
+    pickle: a rule of ALL_RULES travels by name and comes back whole, even in a process that
+    has imported nothing of gas_lab yet; any other rule travels without its condition."""
+    rule = refusals.rule_named("idle_window_stage2")
+    assert pickle.loads(pickle.dumps(rule)) is rule
+    receive = "import pickle, sys; r = pickle.loads(sys.stdin.buffer.read()); "
+    receive += "print(r.name, r.applies is not None, r.order)"
+    fresh = subprocess.run(
+        [sys.executable, "-c", receive], input=pickle.dumps(rule), capture_output=True, check=True
+    )
+    assert fresh.stdout.split() == [b"idle_window_stage2", b"True", b"20"]
+    mine = dataclasses.replace(rule, name="my_rule")
+    back = pickle.loads(pickle.dumps(mine))
+    assert back == mine and back.applies is None
 
 
 # ---------------------------------------------------------------- 2. each rule on the engine

@@ -1,6 +1,6 @@
 """The two-try protocol of every exercise checker: what differs first, the fix later."""
 
-from gas_lab.lessons.exercises.verdict import Miss, check_cases, hint
+from gas_lab.lessons.exercises.verdict import Miss, check_cases, check_predictions, hint
 
 
 def _cases(answer):
@@ -45,3 +45,29 @@ def test_a_crash_gets_the_general_fix_later():
     assert "the general fix" not in str(first)
     second = check_cases("add", [("c", crash, lambda r: None)], "the general fix", where="here")
     assert "Hint: the general fix" in str(second)
+
+
+def _predict(answers, measured):
+    return check_predictions(
+        "predict",
+        lambda: answers,
+        ["A", "B"],
+        lambda key: measured.append(key) or 4,
+        lambda key, got, want: None if got == want else f"{key}: you said {got}",
+        case="sum",
+        example="{'A': 4, ...}",
+        hint="the general fix",
+        where="section 2",
+        module="gas_lab.lessons.exercises.lesson42",
+    )
+
+
+def test_predictions_ask_for_the_answer_before_measuring_and_name_the_lessons_hint():
+    measured = []
+    assert _predict({"A": 4, "B": 4}, measured).passed and measured == ["A", "B"]
+    measured.clear()
+    wrong = _predict({"A": 4, "B": 5}, measured)
+    assert wrong.message == "case 'sum B': B: you said 5" and measured == ["A", "B"]
+    assert "`lesson42.hint()`" in str(wrong)
+    measured.clear()
+    assert "TypeError" in _predict([4, 4], measured).message and measured == []

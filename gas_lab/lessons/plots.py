@@ -172,12 +172,31 @@ def svg(fig: Figure) -> str:
     return out[out.index("<svg") :]
 
 
-def with_still_picture(bundle: dict, what: str, picture: str, controls: str) -> dict:
-    """A widget's display bundle plus a still SVG ``picture`` of its current state, for the docs
-    site and any viewer without a kernel (which show the HTML and ignore the widget)."""
-    bundle["text/html"] = (
-        '<div class="gas-lab-explorer-snapshot">'
-        f"<p><em>A still picture of the {what}. In JupyterLab {controls}.</em></p>"
-        f"{picture}</div>"
-    )
-    return bundle
+class StillPicture:
+    """What an explorer widget (an ipywidgets box with an ``out`` Output) needs to show one SVG
+    figure: :meth:`show` draws it live, and displaying the box also carries a still picture of
+    it, for the docs site and any viewer without a kernel (which show the HTML and ignore the
+    widget). A subclass says what it is (:meth:`still_what`) and what its ``CONTROLS`` do."""
+
+    CONTROLS: str  # "its sliders redraw it": the still picture's caption says so
+    _svg = ""  # the picture shown now ("": none)
+
+    def still_what(self) -> str:  # "explorer (N=4)": what the still picture shows
+        raise NotImplementedError
+
+    def show(self, picture: str) -> None:
+        from IPython.display import display
+
+        self._svg = picture
+        with self.out:
+            self.out.clear_output(wait=True)
+            display({"image/svg+xml": picture}, raw=True)  # IPython's SVG() re-parses it
+
+    def _repr_mimebundle_(self, **kwargs) -> dict:
+        bundle = super()._repr_mimebundle_(**kwargs)
+        bundle["text/html"] = (
+            '<div class="gas-lab-explorer-snapshot">'
+            f"<p><em>A still picture of the {self.still_what()}. In JupyterLab "
+            f"{self.CONTROLS}.</em></p>{self._svg}</div>"
+        )
+        return bundle

@@ -8,7 +8,7 @@ import html
 
 import matplotlib.pyplot as plt
 
-from gas_lab.lessons.plots import svg, with_still_picture
+from gas_lab.lessons.plots import StillPicture, svg
 from gas_lab.lessons.timeline_plots import LIBRARY_TITLES, plot_timeline
 from gas_lab.measure.recording import PlanError, check_plan, record_on
 
@@ -30,16 +30,18 @@ def timeline_explorer(cluster, n_max: int = 4, **start):
 EXPLORER_START = {"library": "gas_lab", "stage": 0, "mode": "unmanaged", "micro_batches": [3, 1]}
 
 
-class TimelineExplorer(w.VBox if w is not None else object):
+class TimelineExplorer(StillPicture, w.VBox if w is not None else object):
     """The explorer's box: (library, mode, stage, one N slider per rank, message, figure).
 
     ``recorded`` holds the events of every setting run so far, so a test can tell a redraw
     from a new recording.
     """
 
+    CONTROLS = "its buttons and sliders record and redraw it"
+
     def __init__(self, cluster, n_max: int = 4, **start):
         start = {**EXPLORER_START, **start}
-        self.cluster, self.recorded, self._svg = cluster, {}, ""
+        self.cluster, self.recorded = cluster, {}
         counts = list(start["micro_batches"])
         counts = counts * cluster.world_size if len(counts) == 1 else counts
         style = {"description_width": "7em"}
@@ -74,8 +76,6 @@ class TimelineExplorer(w.VBox if w is not None else object):
     def redraw(self, _change: object = None) -> None:
         """Record the setting if new (a DeepSpeed start costs about a second), then draw it;
         a setting that cannot run says why and clears the picture, which showed another setting."""
-        from IPython.display import display
-
         s = self.settings()
         try:
             check_plan(s["library"], s["stage"], s["mode"], s["micro_batches"], 1, len(self.ns))
@@ -93,16 +93,7 @@ class TimelineExplorer(w.VBox if w is not None else object):
         )
         fig = plot_timeline(self.recorded[key])
         plt.close(fig)  # drawn only into SVG: keep pyplot from showing it again
-        self._svg = svg(fig)
-        with self.out:
-            self.out.clear_output(wait=True)
-            display({"image/svg+xml": self._svg}, raw=True)
+        self.show(svg(fig))
 
-    def _repr_mimebundle_(self, **kwargs) -> dict:
-        """The live widget, plus a still picture for viewers without a kernel."""
-        return with_still_picture(
-            super()._repr_mimebundle_(**kwargs),
-            f"timeline explorer ({self.message.value})",
-            self._svg,
-            "its buttons and sliders record and redraw it",
-        )
+    def still_what(self) -> str:
+        return f"timeline explorer ({self.message.value})"

@@ -219,16 +219,7 @@ def _draw_call(ax: Axes, p: Placed, y: int):
     e = p.event
     kind = e.name if e.name != "step" else "update" if e.boundary else "count"
     off, height = ENGINE_LANE
-    ax.barh(
-        y + off,
-        p.x1 - p.x0,
-        left=p.x0,
-        height=height,
-        align="edge",
-        color=CALL_COLOURS[kind],
-        edgecolor="white",
-        linewidth=1,
-    )
+    _bar(ax, y, ENGINE_LANE, p.x0, p.x1, color=CALL_COLOURS[kind], edgecolor="white", linewidth=1)
     if e.name in ("forward", "backward") and e.micro is not None:
         labels = [f"{e.name[0].upper()}{e.micro}"]
     elif kind == "update":
@@ -244,30 +235,18 @@ def _draw_collective(ax: Axes, p: Placed, y: int):
     colour = KIND_COLOURS.get(e.kind, OTHER_COLOUR)
     off, height = COLLECTIVE_LANE
     if p.ready > p.x0:  # waiting for the other ranks: hatched, pale
-        ax.barh(
-            y + off,
-            p.ready - p.x0,
-            left=p.x0,
-            height=height,
-            align="edge",
-            color="white",
-            edgecolor=colour,
-            hatch="///",
-            linewidth=0.8,
-        )
-    ax.barh(
-        y + off,
-        p.x1 - p.ready,
-        left=p.ready,
-        height=height,
-        align="edge",
-        color=colour,
-        edgecolor="white",
-        linewidth=1,
-    )
+        waiting = {"color": "white", "edgecolor": colour, "hatch": "///", "linewidth": 0.8}
+        _bar(ax, y, COLLECTIVE_LANE, p.x0, p.ready, **waiting)
+    _bar(ax, y, COLLECTIVE_LANE, p.ready, p.x1, color=colour, edgecolor="white", linewidth=1)
     labels = [f"{e.kind}\n{_bytes(e.bytes)}", _bytes(e.bytes)]  # the kind, as in the legend
     width = p.x1 - p.ready
     _label(ax, labels, (p.ready + p.x1) / 2, y + off + height / 2, width, "white")
+
+
+def _bar(ax: Axes, y: int, lane: tuple[float, float], x0: float, x1: float, **style):
+    """A bar from ``x0`` to ``x1`` in ``lane`` (offset and height within rank ``y``'s row)."""
+    off, height = lane
+    ax.barh(y + off, x1 - x0, left=x0, height=height, align="edge", **style)
 
 
 def _bytes(n: int) -> str:

@@ -26,7 +26,7 @@ from gas_lab.accumulate import (
     split_batch,
     token_loss,
 )
-from gas_lab.lessons.plots import svg, with_still_picture
+from gas_lab.lessons.plots import StillPicture, svg
 from gas_lab.toys import TinySeqModel, sequence_batch, spread_lengths
 
 
@@ -80,12 +80,14 @@ def explorer_errors(
 _STYLE = {"description_width": "8.5em"}
 
 
-class AccumulationExplorer(w.VBox):
+class AccumulationExplorer(StillPicture, w.VBox):
     """The explorer's box: (N slider, spread slider, normalization menu, label, plot).
 
     ``errors_for(spread)`` is cached per spread; ``computed`` counts the spreads computed, so
     a test can tell a redraw from a recomputation.
     """
+
+    CONTROLS = "its sliders and menu redraw the plot live"
 
     def __init__(self, n_max: int = 8):
         self.ns = list(range(1, n_max + 1))
@@ -102,7 +104,7 @@ class AccumulationExplorer(w.VBox):
             style=_STYLE,
         )
         self.label, self.out = w.Label(), w.Output()
-        self._svg, self._fig, self._star = "", None, None
+        self._fig, self._star = None, None
         super().__init__([self.n, self.spread, self.norm, self.label, self.out])
         for control in (self.n, self.spread, self.norm):
             control.observe(self.redraw, names="value")
@@ -117,18 +119,13 @@ class AccumulationExplorer(w.VBox):
 
     def redraw(self, _change: object = None) -> None:
         """Show the current controls: new numbers only for a new spread, the same figure."""
-        from IPython.display import display
-
         errors = self.errors_for(self.spread.value)
         here = errors[self.norm.value][self.n.value - 1]
         self.label.value = (
             f"{self.norm.value}, N={self.n.value}, spread={self.spread.value:.2f}: "
             f"max rel error {here:.2e}"
         )
-        self._svg = self._draw(errors, here)
-        with self.out:
-            self.out.clear_output(wait=True)
-            display({"image/svg+xml": self._svg}, raw=True)  # IPython's SVG() re-parses it
+        self.show(self._draw(errors, here))
 
     def _draw(self, errors: dict[str, list[float]], here: float) -> str:
         # One figure for the explorer's life: a move updates its lines instead of building a
@@ -158,14 +155,8 @@ class AccumulationExplorer(w.VBox):
         ax.legend()  # anew: a legend copies the line styles it was made with
         return svg(self._fig)
 
-    def _repr_mimebundle_(self, **kwargs) -> dict:
-        """The live widget, plus a picture of its current state for viewers without a kernel."""
-        return with_still_picture(
-            super()._repr_mimebundle_(**kwargs),
-            f"explorer ({html.escape(self.label.value)})",
-            self._svg,
-            "its sliders and menu redraw the plot live",
-        )
+    def still_what(self) -> str:
+        return f"explorer ({html.escape(self.label.value)})"
 
 
 def accumulation_explorer(n_max: int = 8) -> AccumulationExplorer:

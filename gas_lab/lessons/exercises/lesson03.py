@@ -18,7 +18,7 @@ import torch
 
 from gas_lab.deepspeed_compat.engine import initialize
 from gas_lab.lessons.exercises.on_ranks import measured_once
-from gas_lab.lessons.exercises.verdict import Miss, Verdict, answer_for, check_cases
+from gas_lab.lessons.exercises.verdict import Miss, Verdict, check_cases, check_predictions
 from gas_lab.lessons.exercises.verdict import hint as hint  # lessonNN.hint()
 from gas_lab.measure.parity import reference_params
 from gas_lab.toys import flat_params, micro_batch, tiny_model
@@ -135,72 +135,65 @@ def measured_counters(letter: str, cluster) -> tuple[int, int, int]:
 COUNTERS = ("micro_steps", "global_steps", "global_samples")
 
 
-def _prediction_case(fn: Callable, letter: str, cluster):
-    script = SCRIPTS[letter]
-
-    def run():
-        got = answer_for(fn, letter, "{'A': (10, 2, 32), ...}")
-        return got, measured_counters(letter, cluster)
-
-    def judge(result) -> str | Miss | None:
-        got, (micro, steps, samples) = result
-        if not (isinstance(got, tuple | list) and len(got) == 3):
-            return f"answer a tuple (micro_steps, global_steps, global_samples), got {got!r}."
-        got = tuple(int(v) for v in got)
-        if got == (micro, steps, samples):
-            return None
-        # What differs, never DeepSpeed's numbers: they are the answer.
-        wrong = [
-            f"{name} ({g})"
-            for name, g, m in zip(COUNTERS, got, (micro, steps, samples), strict=True)
-            if g != m
-        ]
-        right = [
-            name
-            for name, g, m in zip(COUNTERS, got, (micro, steps, samples), strict=True)
-            if g == m
-        ]
-        differs = (
-            f"you said {got}: your {' and '.join(wrong)} "
-            f"{'is' if len(wrong) == 1 else 'are'} not what DeepSpeed counted"
-            + (
-                f"; {' and '.join(right)} {'is' if len(right) == 1 else 'are'} right."
-                if right
-                else "."
-            )
+def _judge_counters(script: Script, world: int, got, measured: tuple) -> str | Miss | None:
+    micro, steps, samples = measured
+    if not (isinstance(got, tuple | list) and len(got) == 3):
+        return f"answer a tuple (micro_steps, global_steps, global_samples), got {got!r}."
+    got = tuple(int(v) for v in got)
+    if got == (micro, steps, samples):
+        return None
+    # What differs, never DeepSpeed's numbers: they are the answer.
+    wrong = [
+        f"{name} ({g})"
+        for name, g, m in zip(COUNTERS, got, (micro, steps, samples), strict=True)
+        if g != m
+    ]
+    right = [
+        name for name, g, m in zip(COUNTERS, got, (micro, steps, samples), strict=True) if g == m
+    ]
+    differs = (
+        f"you said {got}: your {' and '.join(wrong)} "
+        f"{'is' if len(wrong) == 1 else 'are'} not what DeepSpeed counted"
+        + (f"; {' and '.join(right)} {'is' if len(right) == 1 else 'are'} right." if right else ".")
+    )
+    backwards = script.ops.count("backward")
+    train_batch = MICRO * script.gas * world
+    if got[0] != micro and got[0] == backwards:
+        return Miss(differs, "micro_steps counts step() calls, not backward() calls.")
+    if got[:2] == (micro, steps) and got[2] == steps * MICRO * script.gas:
+        return Miss(
+            differs,
+            f"global_samples grows by train_batch_size = micro x GAS x world = {train_batch} "
+            "per update; the world size is missing.",
         )
-        backwards = script.ops.count("backward")
-        train_batch = MICRO * script.gas * cluster.world_size
-        if got[0] != micro and got[0] == backwards:
-            return Miss(differs, "micro_steps counts step() calls, not backward() calls.")
-        if got[:2] == (micro, steps) and got[2] == steps * MICRO * script.gas:
-            return Miss(
-                differs,
-                f"global_samples grows by train_batch_size = micro x GAS x world = {train_batch} "
-                "per update; the world size is missing.",
-            )
-        if got[:2] == (micro, steps):
-            return Miss(
-                differs,
-                f"managed, every update adds train_batch_size = {train_batch} samples, however "
-                "many micro-batches it really used.",
-            )
-        return Miss(differs, script.why)
-
-    return (f"script {letter}", run, judge)
+    if got[:2] == (micro, steps):
+        return Miss(
+            differs,
+            f"managed, every update adds train_batch_size = {train_batch} samples, however "
+            "many micro-batches it really used.",
+        )
+    return Miss(differs, script.why)
 
 
 def check_counter_predictions(fn: Callable[[], dict], cluster) -> Verdict:
     """Exercise 1: ``fn()`` returns ``{"A": (micro_steps, global_steps, global_samples), ...}``
     for every script of :data:`SCRIPTS`, predicted for DeepSpeed on the notebook's ranks."""
-    return check_cases(
+    return check_predictions(
         "predict the counters",
-        [_prediction_case(fn, letter, cluster) for letter in SCRIPTS],
-        "micro_steps counts step() calls; a call is a boundary when the override says so, "
+        fn,
+        SCRIPTS,
+        lambda letter: measured_counters(letter, cluster),
+        lambda letter, got, measured: _judge_counters(
+            SCRIPTS[letter], cluster.world_size, got, measured
+        ),
+        case="script",
+        example="{'A': (10, 2, 32), ...}",
+        hint="micro_steps counts step() calls; a call is a boundary when the override says so, "
         "else when (micro_steps + 1) % GAS == 0 before it counts; each update adds "
         "micro x GAS x world to global_samples.",
         where="the counters table (*The symmetric loop on 2 ranks, gas_lab and DeepSpeed*) and "
         "*The manual override*",
+        module=__name__,
     )
 
 

@@ -20,8 +20,9 @@ import io
 from collections.abc import Callable
 
 from gas_lab.deepspeed_compat.config import ConfigError, parse
+from gas_lab.lessons.exercises import verdict
 from gas_lab.lessons.exercises.on_ranks import measured_once
-from gas_lab.lessons.exercises.verdict import Miss, Verdict, answer_for, check_cases
+from gas_lab.lessons.exercises.verdict import Miss, Verdict, check_cases
 from gas_lab.lessons.exercises.verdict import hint as hint  # lessonNN.hint()
 from gas_lab.measure import matrix, prediction
 from gas_lab.rules.operations import ACTIONS, call_of, situation_action
@@ -99,42 +100,37 @@ def _said(got: dict) -> str:
 
 
 # ---------------------------------------------------------------- exercise 1: predict, measured
-def _prediction_case(fn: Callable, letter: str, cluster):
-    case_id, why = SCENARIOS[letter]
-    case = _committed()[case_id]
-
-    def run():
-        answer = answer_for(fn, letter, "{'A': 'accepted', ...}")
-        return answer, measure_live([case], cluster)[0]
-
-    def judge(result) -> str | Miss | None:
-        answer, got = result
-        if answer not in ANSWERS:
-            return f"answer one of {ANSWERS}, got {answer!r}."
-        truth = "accepted" if got["outcome"] == "accepted" else call_of(got["raised_in"]).call
-        if answer == truth:
-            return None
-        if truth == "accepted":
-            measured = "DeepSpeed, measured now, accepts it"
-        elif answer == "accepted":
-            measured = "DeepSpeed, measured now, refuses it"
-        else:
-            measured = f"DeepSpeed, measured now, refuses it, but not at {answer}()"
-        return Miss(f"you predicted {answer!r}; {measured}.", why)
-
-    return (f"scenario {letter}", run, judge)
+def _judge_prediction(letter: str, answer, got: dict) -> str | Miss | None:
+    if answer not in ANSWERS:
+        return f"answer one of {ANSWERS}, got {answer!r}."
+    truth = "accepted" if got["outcome"] == "accepted" else call_of(got["raised_in"]).call
+    if answer == truth:
+        return None
+    if truth == "accepted":
+        measured = "DeepSpeed, measured now, accepts it"
+    elif answer == "accepted":
+        measured = "DeepSpeed, measured now, refuses it"
+    else:
+        measured = f"DeepSpeed, measured now, refuses it, but not at {answer}()"
+    return Miss(f"you predicted {answer!r}; {measured}.", SCENARIOS[letter][1])
 
 
 def check_predictions(fn: Callable[[], dict], cluster) -> Verdict:
     """Exercise 1: ``fn()`` returns ``{"A": answer, ...}``, an answer being "accepted" or the
     call DeepSpeed raises at ("initialize", "step", "no_sync", ... :data:`ANSWERS`)."""
-    return check_cases(
+    return verdict.check_predictions(
         "predict the matrix, then measure it",
-        [_prediction_case(fn, letter, cluster) for letter in SCENARIOS],
-        "a rule fires at its own call (initialize, a method, or entering a with-block), and "
+        fn,
+        SCENARIOS,
+        lambda letter: measure_live([_committed()[SCENARIOS[letter][0]]], cluster)[0],
+        _judge_prediction,
+        case="scenario",
+        example="{'A': 'accepted', ...}",
+        hint="a rule fires at its own call (initialize, a method, or entering a with-block), and "
         "only when its condition holds for THIS stage and mode; the first call of the script "
         "that meets one raises. No rule holds: accepted.",
         where=WHERE_1,
+        module=__name__,
     )
 
 

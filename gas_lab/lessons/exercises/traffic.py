@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from gas_lab.lessons.exercises.on_ranks import measured_once
-from gas_lab.lessons.exercises.verdict import Miss, Verdict, answer_for, check_cases
+from gas_lab.lessons.exercises.verdict import Miss, Verdict, check_predictions
 from gas_lab.toys import tiny_model
 
 # measure(run) -> {kind: (calls, bytes)}, on a rank; fix(run, world, got, want) -> str | None
@@ -93,13 +93,15 @@ def check_traffic_predictions(
     ``runs``: every kind of collective with its calls and bytes (the full buffer of each call,
     as ``count_collectives`` counts it), on one rank."""
 
-    def case(letter):
-        def run():
-            got = answer_for(fn, letter, "{'A': {'all_reduce': (1, 232)}, ...}")
-            return got, measured_traffic(lesson, runs, measure, letter, cluster)
-
-        return (f"run {letter}", run, lambda r: judge(runs[letter], cluster.world_size, *r, fix))
-
-    return check_cases(
-        "predict the traffic", [case(letter) for letter in runs], summary, where=where
+    return check_predictions(
+        "predict the traffic",
+        fn,
+        runs,
+        lambda letter: measured_traffic(lesson, runs, measure, letter, cluster),
+        lambda letter, got, want: judge(runs[letter], cluster.world_size, got, want, fix),
+        case="run",
+        example="{'A': {'all_reduce': (1, 232)}, ...}",
+        hint=summary,
+        where=where,
+        module=measure.__module__,  # the lesson's checker module, whose hint() the notebook has
     )

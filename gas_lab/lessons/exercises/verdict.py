@@ -90,6 +90,7 @@ def check_cases(
     cases: Iterable[tuple[str, Callable[[], object], Callable[[object], str | Miss | None]]],
     hint: str,
     where: str | None = None,
+    module: str | None = None,
 ) -> Verdict:
     """Run ``(name, run, judge)`` cases in order and stop at the first failure.
 
@@ -97,6 +98,8 @@ def check_cases(
     right, else what differs: a sentence, or a :class:`Miss` with the case's own fix. ``where``
     names the part of the lesson to look at again (shown on every wrong try); ``hint`` is the
     exercise's general fix, used when a case has none of its own (held back on a first try).
+    ``module``: the ``__name__`` of the checker module the notebook imports, whose ``hint()``
+    a wrong try names (by default the module each case's ``run`` is defined in).
     """
     cases = list(cases)
     for i, (name, run, judge) in enumerate(cases):
@@ -119,7 +122,7 @@ def check_cases(
                 len(cases),
                 where,
                 hint,
-                _module_of(run),
+                _module_of(run, module),
             )
         problem = judge(result)
         if problem is not None:
@@ -132,7 +135,7 @@ def check_cases(
                 len(cases),
                 where,
                 miss.fix or hint,
-                _module_of(run),
+                _module_of(run, module),
             )
     for key in [k for k in _FAILED_TRIES if k[0] == exercise]:
         del _FAILED_TRIES[key]
@@ -141,10 +144,11 @@ def check_cases(
     )
 
 
-def _module_of(fn) -> str:
+def _module_of(fn, module: str | None = None) -> str:
     """``lesson03`` for a case defined in gas_lab.lessons.exercises.lesson03 (the name the
     notebook imports, so the learner can call ``lesson03.hint()``)."""
-    return getattr(fn, "__module__", "").rpartition(".")[2] or "the checker module"
+    module = module or getattr(fn, "__module__", "")
+    return module.rpartition(".")[2] or "the checker module"
 
 
 def _failed(exercise, case, differs, passed, total, where, fix, module) -> Verdict:
@@ -169,3 +173,31 @@ def answer_for(fn: Callable[[], object], key: str, example: str):
     if not isinstance(answers, dict):
         raise TypeError(f"return a dict like {example}, got {type(answers).__name__}")
     return answers.get(key)
+
+
+def check_predictions(
+    exercise: str,
+    fn: Callable[[], object],
+    keys: Iterable[str],
+    measure: Callable[[str], object],
+    judge: Callable[[str, object, object], str | Miss | None],
+    *,
+    case: str,
+    example: str,
+    hint: str,
+    where: str,
+    module: str,
+) -> Verdict:
+    """Predict, then measure: ``fn()`` returns a dict of answers (as in ``example``), one for
+    each of ``keys``. Each key is the case ``f"{case} {key}"``: its answer is asked for first
+    (:func:`answer_for`), then ``measure(key)`` runs, and ``judge(key, answer, measured)`` says
+    what differs, as a judge of :func:`check_cases` does (``hint``, ``where`` and ``module``:
+    as there)."""
+
+    def one(key: str):
+        def run():
+            return answer_for(fn, key, example), measure(key)
+
+        return (f"{case} {key}", run, lambda result: judge(key, *result))
+
+    return check_cases(exercise, [one(key) for key in keys], hint, where=where, module=module)
