@@ -114,9 +114,9 @@ def zero1(params, optimizer, group, max_norm, config, reduce: str | None = None)
         group,
         max_norm,
         reduce or "all_reduce",
-        config.gradient_allreduce_op == "mean",
-        plan,
-        route,
+        average=config.gradient_allreduce_op == "mean",
+        plan=plan,
+        precision=route,
     )
     expose_full_gradients(strategy)
     return strategy
@@ -130,7 +130,7 @@ def zero2(params, optimizer, group, max_norm, config):
         group,
         max_norm,
         config.zero_optimization.reduce_bucket_size,
-        config.gradient_allreduce_op == "mean",
+        average=config.gradient_allreduce_op == "mean",
     )
 
 

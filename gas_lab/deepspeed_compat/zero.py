@@ -33,6 +33,10 @@ class DeepSpeedUpdate:
     last_norm: float | None = None  # the global gradient norm of the last update
     skip_nonfinite = True
 
+    def __init__(self, *args, average: bool = True, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.average = average  # False: "gradient_allreduce_op": "sum", no division by W
+
     def update(self) -> bool:
         shards = self.gradient_shards()
         norm = self.norm_for_update(shards)
@@ -61,16 +65,17 @@ class Zero1(DeepSpeedUpdate, ShardedUpdate):
         group=None,
         max_norm: float = 0.0,
         reduce: str = "all_reduce",
+        *,
         average: bool = True,
         plan=None,
         precision=None,
     ):
         world = dist.get_world_size(group) if group is not None else 1
         originals = arrange(params, optimizer, world, plan.order if plan is not None else None)
-        super().__init__(params, optimizer, group, max_norm, reduce)
+        super().__init__(params, optimizer, group, max_norm, reduce, average=average)
         for g, original in zip(self.groups, originals, strict=True):
             set_walk(g, original)
-        self.plan, self.precision, self.average = plan, precision, average
+        self.plan, self.precision = plan, precision
         self.comm_dtype = precision.communicate if precision is not None else None
         # A non-finite norm skips the update (DeepSpeed's ZeRO; its bf16 may check nothing).
         self.skip_nonfinite = precision.skip_nonfinite if precision is not None else True
@@ -177,18 +182,7 @@ class Zero2(DeepSpeedUpdate, PartitionedGradientUpdate):
     (:meth:`defer_reduction`); the norm per piece in float64 and the clip factor rounded as
     DeepSpeed's ZeRO-2 optimizer rounds it; a non-finite norm skips the update."""
 
-    def __init__(
-        self,
-        params,
-        optimizer,
-        group=None,
-        max_norm: float = 0.0,
-        bucket_size: int = 500_000_000,
-        average: bool = True,
-    ):
-        super().__init__(params, optimizer, group, max_norm, bucket_size)
-        self.average = average
-        self.deferred = False  # inside coalesce_grad_reduction(): gradients stay local
+    deferred = False  # inside coalesce_grad_reduction(): gradients stay local
 
     def gradient_ready(self, param) -> None:
         if not self.deferred:
