@@ -62,9 +62,10 @@ def _check_tag(tag: str, group) -> None:
         warnings.warn(f"checkpoint tags differ across ranks: {tags}", stacklevel=3)
 
 
-def save(engine, strategy, save_dir, tag=None, client_state=None, save_latest=True) -> bool:
-    """Write a checkpoint of ``engine`` (call on every rank); returns True like DeepSpeed."""
-    group = engine.group
+def save(engine, save_dir, tag=None, client_state=None, save_latest=True) -> bool:
+    """``engine.save_checkpoint``: write a checkpoint of ``engine`` (call on every rank; exact
+    only at a boundary, gradients are not saved); returns True like DeepSpeed."""
+    group, strategy = engine.group, engine.strategy
     rank, world = _rank_and_world(group)
     tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
     _check_tag(tag, group)
@@ -99,7 +100,6 @@ def save(engine, strategy, save_dir, tag=None, client_state=None, save_latest=Tr
 
 def load(
     engine,
-    strategy,
     load_dir,
     tag=None,
     load_module_strict=True,
@@ -107,8 +107,10 @@ def load(
     load_lr_scheduler_states=True,
     load_module_only=False,
 ):
-    """Restore a checkpoint into ``engine``; ``(path, client_state)``, or ``(None, None)`` when
-    ``tag`` is None and ``<load_dir>/latest`` does not exist (as DeepSpeed, with a warning)."""
+    """``engine.load_checkpoint``: restore weights, optimizer, scheduler and counters;
+    ``(path, client_state)``, or ``(None, None)`` when ``tag`` is None and
+    ``<load_dir>/latest`` does not exist (as DeepSpeed, with a warning)."""
+    strategy = engine.strategy
     if tag is None:
         latest = os.path.join(load_dir, "latest")
         if not os.path.isfile(latest):
