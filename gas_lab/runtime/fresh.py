@@ -29,8 +29,18 @@ import time
 import traceback
 from pathlib import Path
 
-# What the forker imports once, before any fork: the slow imports every rank needs.
-_IMPORTS = ("torch", "torch.distributed", "deepspeed")
+# The slow imports every rank needs, imported once by the forker before any fork. The last two
+# are imported lazily by the first torch optimizer (torch._dynamo) and by the first
+# deepspeed.initialize (its ZeRO check imports Muon, which compiles): 3 CPU seconds in every
+# rank that did not inherit them. (The cluster's ranks do not preload them: its one start
+# would wait for them, while its ranks import them side by side, once, when a lesson needs them.)
+_IMPORTS = (
+    "torch",
+    "torch.distributed",
+    "deepspeed",
+    "torch._dynamo",
+    "deepspeed.runtime.zero.muon.muon_optimizer",
+)
 _FORK = sys.platform == "linux"
 _forkers: dict[tuple, subprocess.Popen] = {}
 
