@@ -142,7 +142,8 @@ def test_deepspeed_stage1_idle_rank_raises_index_error_and_the_busy_rank_dies_wi
                         loop="raw")  # fmt: skip
         idle, busy = case["ranks"]
         assert (idle["exception"], idle["message"]) == ("IndexError", "list index out of range")
-        assert "Connection closed by peer" in busy["message"]
+        # closed (measured with the interpreter's teardown) or reset (fresh ranks now skip it)
+        assert re.search(r"Connection (closed|reset) by peer", busy["message"]), busy
 
 
 # Managed, a rank whose real micro-batch runs before the boundary and whose boundary micro-step
@@ -189,7 +190,8 @@ def test_gas_lab_refuses_a_managed_window_without_its_boundary_backward(case):
     short, busy = ours["ranks"]  # rank 0 has 1 micro-batch of GAS = 2, rank 1 has 2
     assert (short["exception"], short["refused_as"]) == ("RejectedCombination", "TypeError")
     # the peer's connection closed, or reset where it left data unread (it skips teardown)
-    assert busy["outcome"] == "raised" and "by peer" in busy["message"], busy
+    assert busy["outcome"] == "raised", busy
+    assert re.search(r"Connection (closed|reset) by peer", busy["message"]), busy
 
 
 @pytest.mark.parametrize("stage, raises", [(1, "IndexError"), (2, "TypeError")])
@@ -199,7 +201,8 @@ def test_gas_lab_at_stages_1_and_2_refuses_the_idle_rank_as_deepspeed_fails(stag
     idle, busy = case["ranks"]
     assert (idle["exception"], idle["refused_as"]) == ("RejectedCombination", raises)
     # the peer's connection closed, or reset where it left data unread (it skips teardown)
-    assert busy["outcome"] == "raised" and "by peer" in busy["message"], busy
+    assert busy["outcome"] == "raised", busy
+    assert re.search(r"Connection (closed|reset) by peer", busy["message"]), busy
 
 
 def test_all_ranks_idle_at_stage_0_is_a_trap():
@@ -247,5 +250,6 @@ def test_an_idle_rank_at_stage_1_still_fails_in_fresh_processes(lib):
     else:
         assert (idle["exception"], idle["refused_as"]) == ("RejectedCombination", "IndexError")
     # the peer's connection closed, or reset where it left data unread (it skips teardown)
-    assert busy["outcome"] == "raised" and "by peer" in busy["message"], busy
+    assert busy["outcome"] == "raised", busy
+    assert re.search(r"Connection (closed|reset) by peer", busy["message"]), busy
     assert got["seconds"] < idle_rank.HANG_S  # the busy rank does not wait for a timeout
