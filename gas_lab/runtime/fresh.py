@@ -197,7 +197,7 @@ def _lead(request: dict) -> None:
     for rank in range(request["world_size"]):
         pid = os.fork()
         if pid == 0:
-            _rank(request, rank)  # never returns: SystemExit, or whatever ended the rank
+            _rank(request, rank)  # never returns: the rank ends in os._exit with its code
         pids[pid] = rank
     while pids:
         pid, status = os.wait()
