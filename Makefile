@@ -19,9 +19,16 @@ export DS_ACCELERATOR ?= cpu
 # picks the same folder (gas_lab/runtime/build_lock.py), for what make does not start.
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/$(VENV)/torch_extensions
 
-.PHONY: install lab test unit notebooks lint course docs bench gpu-check clean normalize
+.PHONY: install ops lab test unit notebooks lint course docs bench gpu-check clean normalize
 
 install: $(STAMP)
+
+# DeepSpeed's C++ ops (the CPU comm op, fused Adam), built once for this environment before
+# anything waits on them: one line per op with its seconds; an op built already only loads (about
+# 5 s in all). It also makes every spelling of this environment's path (a symlinked .venv or
+# home) reach the same build (gas_lab/runtime/ops.py says why).
+ops: $(STAMP)  ## DeepSpeed's C++ ops, built once for this environment
+	$(BIN)/python -m gas_lab.runtime.ops
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -36,7 +43,7 @@ $(STAMP): pyproject.toml constraints.txt
 # lab/jupyter_lab_config.py a notebook opens unmodified on any Python 3.11.x.
 # JupyterLab serves the learner's own copy, my_tutorials/ (git-ignored): running the course saves
 # outputs into the notebooks, and tutorials/ stays as pulled (tools/learner_copy.py says why).
-lab: $(STAMP)  ## the course: JupyterLab on your own copy of tutorials/ (my_tutorials/)
+lab: ops  ## the course: JupyterLab on your own copy of tutorials/ (my_tutorials/)
 	$(BIN)/python tools/learner_copy.py tutorials my_tutorials
 	$(BIN)/jupyter lab --ip 127.0.0.1 --notebook-dir my_tutorials \
 	  --LabApp.app_settings_dir=$(CURDIR)/lab --config=$(CURDIR)/lab/jupyter_lab_config.py $(ROOT_FLAG)
@@ -50,14 +57,14 @@ lab: $(STAMP)  ## the course: JupyterLab on your own copy of tutorials/ (my_tuto
 TEST_WORKERS ?= 3
 XDIST := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
-test: lint $(STAMP)  ## every test: unit + 2-rank, every notebook (nbmake), ruff, the docs site
+test: lint ops  ## every test: unit + 2-rank, every notebook (nbmake), ruff, the docs site
 	rm -rf $(EXECUTED) && mkdir -p $(EXECUTED) && cp -r tutorials/. $(EXECUTED)/
 	GAS_LAB_BUILD_SITE=1 $(PYTEST) $(XDIST) tests $(EXECUTED) --nbmake --nbmake-timeout=600 --overwrite --durations=12
 
-unit: $(STAMP)
+unit: ops
 	$(PYTEST) -m "not docs" tests
 
-notebooks: $(STAMP)  ## execute every notebook under nbmake, keeping the executed copies
+notebooks: ops  ## execute every notebook under nbmake, keeping the executed copies
 	rm -rf $(EXECUTED) && mkdir -p $(EXECUTED) && cp -r tutorials/. $(EXECUTED)/
 	$(PYTEST) $(EXECUTED) --nbmake --nbmake-timeout=600 --overwrite
 
@@ -68,10 +75,10 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-course: $(STAMP)  ## run every notebook headless into build/course, print seconds per notebook
+course: ops  ## run every notebook headless into build/course, print seconds per notebook
 	$(BIN)/python tools/run_course.py tutorials build/course
 
-bench: $(STAMP)  ## time gas_lab vs DeepSpeed vs torch DDP per optimizer step (2 ranks; noisy when shared)
+bench: ops  ## time gas_lab vs DeepSpeed vs torch DDP per optimizer step (2 ranks; noisy when shared)
 	OMP_NUM_THREADS=1 $(BIN)/python -m torch.distributed.run --standalone --nproc_per_node=2 tools/bench_step_time.py
 
 docs: $(STAMP)  ## the docs site in build/html, from the executed notebooks, warnings are errors

@@ -2,6 +2,7 @@
 ``fused`` is the same ranks with DeepSpeed's FusedAdam op built or loaded."""
 
 import os
+import sys
 import tempfile
 from pathlib import Path
 
@@ -28,25 +29,48 @@ def _shm_buffers() -> set[str]:
     return {p.name for p in Path("/dev/shm").glob(SHM_BUFFERS)}
 
 
+# DeepSpeed's C++ ops are built by `make ops` before the session (gas_lab/runtime/ops.py): a build
+# inside a test worker or a notebook would make everything beside it wait on two shared cores.
+# The cache is the environment's own, as gas_lab.runtime.build_lock picks it (not imported here:
+# the controller would import torch for it).
+OPS_CACHE = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path(sys.prefix) / "torch_extensions")
+
+
+def _built_ops() -> dict[str, int]:
+    return {p.name: p.stat().st_mtime_ns for p in OPS_CACHE.glob("*/*.so")}
+
+
 def pytest_sessionstart(session):
     session.config._shm_buffers_before = _shm_buffers()
+    session.config._ops_before = _built_ops()
 
 
 def pytest_sessionfinish(session, exitstatus):
     """The session (under xdist: the controller, once every worker is done) fails if it leaves
-    DeepSpeed shared-memory buffers behind; the message names them and how to remove them."""
+    DeepSpeed shared-memory buffers behind (the message names them and how to remove them), or
+    if it built one of DeepSpeed's C++ ops in the environment's cache."""
     if hasattr(session.config, "workerinput"):
         return  # an xdist worker: the controller checks once, over every worker's work
+    messages = []
     left = sorted(_shm_buffers() - session.config._shm_buffers_before)
     if left:
-        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
-        message = (
+        messages.append(
             f"/dev/shm: the tests left {len(left)} DeepSpeed buffer(s) behind: {', '.join(left)} "
             "(docs/instructor/troubleshooting.md, 'Memory a script leaves behind')"
         )
+    before, after = session.config._ops_before, _built_ops()
+    built = sorted(op for op, stamp in after.items() if before.get(op) != stamp)
+    if built:
+        messages.append(
+            f"the session built DeepSpeed's C++ op(s) {', '.join(built)} in {OPS_CACHE}: "
+            "`make ops` builds them before the tests, so that no test waits for a compiler"
+        )
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    for message in messages:
         if reporter is not None:
             reporter.write("\n")
             reporter.write_line(message, red=True)
+    if messages:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
@@ -96,11 +120,8 @@ def _first_try():
     reset_tries()
 
 
-FUSED_BUILD_TIMEOUT = 900  # a cold JIT build of FusedAdam on a loaded 2-core machine
-
-
 def _load_fused_adam():
-    """On a rank: build (first time in this environment) or load DeepSpeed's FusedAdam op."""
+    """On a rank: load DeepSpeed's FusedAdam op, which `make ops` built."""
     import time
 
     from deepspeed.ops.op_builder import FusedAdamBuilder
@@ -112,8 +133,10 @@ def _load_fused_adam():
 
 @pytest.fixture(scope="session")
 def fused(cluster):
-    """The ranks, with DeepSpeed's FusedAdam op ready (tests of DeepSpeed's default optimizer
-    path): a cold build takes minutes, so it waits longer than a call does."""
-    seconds = cluster.run(_load_fused_adam, timeout=FUSED_BUILD_TIMEOUT)
-    print(f"FusedAdam op ready in {max(seconds):.1f} s (a cold build is the slow case)")
+    """The ranks, with DeepSpeed's FusedAdam op loaded (tests of DeepSpeed's default optimizer
+    path); `make ops` built it, so a missing build fails here instead of compiling for minutes."""
+    if "fused_adam.so" not in _built_ops():
+        pytest.fail(f"DeepSpeed's FusedAdam op is not built in {OPS_CACHE}: run `make ops`")
+    seconds = cluster.run(_load_fused_adam, timeout=120)
+    print(f"FusedAdam op loaded in {max(seconds):.1f} s")
     return cluster

@@ -13,6 +13,7 @@
 * :mod:`~gas_lab.runtime.fresh`: fresh ranks for one run, forked in a fraction of a second.
 * :mod:`~gas_lab.runtime.lifetime`: every process ends with the kernel; ``run_command``.
 * :mod:`~gas_lab.runtime.build_lock`: stale C++ build locks that make DeepSpeed wait forever.
+* :mod:`~gas_lab.runtime.ops`: DeepSpeed's C++ ops built once per environment (``make ops``).
 * :mod:`~gas_lab.runtime.arguments`, :mod:`~gas_lab.runtime.magic`,
   :mod:`~gas_lab.runtime.sending`: argument checks, ``%%ranks``, what travels with a function.
 """

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import glob
 import os
+import shutil
 import sys
 import time
 
@@ -31,9 +32,14 @@ import psutil
 
 def use_environment_cache() -> None:
     """Unless ``TORCH_EXTENSIONS_DIR`` is set, build DeepSpeed's ops in this environment's own
-    folder (where the environment can be written: a venv or a conda env, not a system Python)."""
+    folder (where the environment can be written: a venv or a conda env, not a system Python).
+    PyTorch runs ``ninja`` from PATH at every load of an op, built or not: where PATH has none,
+    the environment's own (pip's ``ninja`` package, beside this interpreter) is put first."""
     if not os.environ.get("TORCH_EXTENSIONS_DIR") and os.access(sys.prefix, os.W_OK):
         os.environ["TORCH_EXTENSIONS_DIR"] = os.path.join(sys.prefix, "torch_extensions")
+    here = os.path.dirname(sys.executable)
+    if shutil.which("ninja") is None and os.path.exists(os.path.join(here, "ninja")):
+        os.environ["PATH"] = here + os.pathsep + os.environ.get("PATH", "")
 
 
 def extensions_root() -> str:
