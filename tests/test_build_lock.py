@@ -1,6 +1,7 @@
 """Stale build locks (issue 14, part 5): a lock a live build holds is left alone; one that no
 process holds is found, named and removed, also while a rank waits on it."""
 
+import os
 import subprocess
 import sys
 import time
@@ -99,3 +100,24 @@ def test_a_build_is_told_from_a_load_by_the_op_library_and_timed_by_ninjas_log(e
     assert build_lock.builds_since(before) == {"some_op": 41.5}
     loaded = build_lock.built_ops()
     assert build_lock.builds_since(loaded) == {}  # loading it again builds nothing
+
+
+@pytest.mark.parametrize(
+    "library, words",
+    [
+        (None, "ended before it had built the op (no library is there)"),
+        (+60, "ended after it had built the op, before it removed the lock"),
+        (-60, "ended while it loaded the op, which was built already"),
+    ],
+)
+def test_the_notice_says_what_the_folder_shows_of_who_left_the_lock(ext_root, library, words):
+    """A lock alone is no killed build: every first load of an op takes it too."""
+    folder = ext_root / "py311_cpu" / "some_op"
+    (folder / "lock").touch()
+    if library is not None:
+        (folder / "some_op.so").touch()
+        taken = (folder / "lock").stat().st_mtime
+        os.utime(folder / "some_op.so", (taken + library, taken + library))
+    said = []
+    assert build_lock.clear_stale_locks(say=said.append) == [str(folder / "lock")]
+    assert len(said) == 1 and words in said[0] and "killed" not in said[0]

@@ -8,11 +8,13 @@ environment's paths). Importing gas_lab points it at the environment's own folde
 ``<sys.prefix>/torch_extensions`` (:func:`use_environment_cache`), as ``make`` does for
 everything it runs.
 
-PyTorch guards each op's build folder with a lock file, ``<cache>/<op>/lock``:
-the process that builds creates it, keeps it open while ninja and the compiler run in that
-folder, and removes it when done; every other process waits while it exists. A build killed
-part-way (a stalled rank the runtime ended, an interrupt, a kernel restart during the first run)
-never removes it, and every later start waits forever.
+PyTorch guards each op's build folder with a lock file, ``<cache>/<op>/lock``: every process
+that loads the op takes it at its first load, built or not (to run ninja, which rebuilds only
+what changed), keeps it open while ninja and the compiler run in that folder, and removes it when
+done; every other process waits while it exists. A process that ends while it holds the lock (a
+stalled rank the runtime ended, an interrupt, a kernel restart during a build or a load) never
+removes it, and every later start waits forever. :func:`left_by` says which of these the folder
+shows.
 
 A lock is *stale* when no process has it open and no process (ninja, the compiler) works in its
 folder. Checked twice, a moment apart, that is proof: a holder keeps the file open from the
@@ -127,7 +129,7 @@ def clear_stale_locks(root: str | None = None, say=None) -> list[str]:
         from gas_lab.runtime.notices import notice as say
     removed = []
     for lock in stale_locks(root):
-        age = age_text(lock)
+        age, said = age_text(lock), left_by(lock)
         try:
             os.remove(lock)
         except FileNotFoundError:
@@ -136,8 +138,25 @@ def clear_stale_locks(root: str | None = None, say=None) -> list[str]:
             say(f"a stale build lock blocks DeepSpeed: delete it by hand: {lock} ({exc})")
             continue
         removed.append(lock)
-        say(
-            f"removed a stale build lock ({age}; no process held it), left by a C++ "
-            f"build that was killed part-way: {lock}"
-        )
+        say(f"removed a stale build lock ({age}; no process held it), {said}: {lock}")
     return removed
+
+
+def left_by(lock: str) -> str:
+    """What the lock's folder shows of the process that left it: PyTorch takes the lock at every
+    first load of an op in a process, built or not, so a lock alone does not mean a build."""
+    try:
+        taken = os.path.getmtime(lock)
+    except OSError:
+        return "gone now"
+    libraries = [
+        os.path.getmtime(p) for p in glob.glob(os.path.join(os.path.dirname(lock), "*.so"))
+    ]
+    if not libraries:
+        return "left by a process that ended before it had built the op (no library is there)"
+    if max(libraries) >= taken:
+        return "left by a process that ended after it had built the op, before it removed the lock"
+    return (
+        "left by a process that ended while it loaded the op, which was built already (PyTorch "
+        "takes the lock at every first load, to check the build)"
+    )

@@ -203,7 +203,7 @@ class Cluster(RankWatch):
         lifetime.stop_guardian(self._guardian)
         self._ipp = self._client = self._guardian = None
         self.pids, self._set_up = [], False
-        if build_lock.locks():  # a C++ build killed part-way leaves its lock behind
+        if build_lock.locks():  # a rank killed while it built or loaded an op leaves its lock
             build_lock.clear_stale_locks()
 
     def restart(self) -> Cluster:
