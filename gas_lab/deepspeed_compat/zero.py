@@ -13,15 +13,13 @@ what only matching DeepSpeed needs.
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 import torch.distributed as dist
 
 from gas_lab.deepspeed_compat import buckets
 from gas_lab.deepspeed_compat.norms import clip_by_reciprocal
 from gas_lab.dp import clip_by_norm, global_norm
-from gas_lab.zero1 import ShardedUpdate, _FlatGroup, gather_weights
+from gas_lab.zero1 import ShardedUpdate, _FlatGroup, gather_weights, renamed_collective
 from gas_lab.zero2 import PartitionedGradientUpdate
 
 
@@ -120,8 +118,7 @@ class Zero1(DeepSpeedUpdate, ShardedUpdate):
             return local[g.start : g.end]
         comm = self.comm_dtype or local.dtype
         shard = torch.empty(g.layout.shard_size, dtype=comm, device=g.flat.device)
-        with warnings.catch_warnings():  # torch 2.13 renamed it; the name works >= 2.4
-            warnings.simplefilter("ignore", FutureWarning)
+        with renamed_collective():
             dist.reduce_scatter_tensor(shard, local.to(comm), group=self.group)
         if self.average:
             shard.div_(self.world_size)
