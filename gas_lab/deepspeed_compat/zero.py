@@ -35,6 +35,17 @@ class DeepSpeedUpdate:
         super().__init__(*args, **kwargs)
         self.average = average  # False: "gradient_allreduce_op": "sum", no division by W
 
+    # What DeepSpeedEngine calls besides the floor's three (strategies.DeepSpeedStrategy):
+    # nothing to do, unless a stage says otherwise below.
+    def before_backward(self) -> None:
+        """A backward pass starts."""
+
+    def defer_reduction(self, deferred: bool) -> None:
+        """Inside ``coalesce_grad_reduction()`` while True."""
+
+    def destroy(self) -> None:
+        """``engine.destroy()``."""
+
     def update(self) -> bool:
         shards = self.gradient_shards()
         norm = self.norm_for_update(shards)
@@ -84,6 +95,13 @@ class Zero1(DeepSpeedUpdate, ShardedUpdate):
     def before_backward(self) -> None:
         if self.buffers is not None:
             self.buffers.before_backward()
+
+    def destroy(self) -> None:
+        """Take off what ``strategies.expose_full_gradients`` attached to the parameters."""
+        for p in (p for g in self.groups for p in g.params):
+            for name in ("_hp_mapping", "get_full_hp_grad"):
+                if name in vars(p):
+                    delattr(p, name)
 
     def after_backward(self) -> None:
         if self.buffers is not None:
