@@ -2,7 +2,10 @@
 # Both create .venv when it is missing and (re)install when pyproject.toml or constraints.txt
 # changed; nothing else needs to be installed by hand.
 
-PYTHON ?= $(shell command -v python3.11 || command -v python3)
+# The interpreter for .venv: 3.11 (tested: make test), else 3.12, 3.13, else python3 (README);
+# choose one with `make PYTHON=python3.12 lab`.
+PYTHON ?= $(shell command -v python3.11 || command -v python3.12 || command -v python3.13 \
+                  || command -v python3)
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed

@@ -83,7 +83,8 @@ def _markdown_text(value) -> str:
 
 
 def _write_rules_table(app):
-    """The rejected-combinations page is generated from gas_lab/rules/refusals.py, the one source."""
+    """The rejected-combinations page, generated from the rules (gas_lab/rules/*_refusals.py,
+    gathered by refusals.py), the one source."""
     from gas_lab.rules import refusals, traps
 
     out = DOCS / "_generated"

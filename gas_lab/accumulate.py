@@ -21,10 +21,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-#: The normalizations a loop can choose from.
-NORMALIZATIONS = ("mean_of_means", "per_sample", "per_token")
-#: The bug, kept by name so lessons can measure it: each micro-batch's mean, *not* divided by N.
-FORGOT_DIVIDE = "sum_of_means"
+#: The reductions a loop can choose from, in the words of the loop checker (:mod:`gas_lab.check`):
+#: what the window's loss is, and so what each micro-batch's summed loss is divided by.
+REDUCTIONS = ("microbatch-mean", "sequence", "token")
+#: The bug, kept by name so lessons can measure it: each micro-batch's mean, *not* divided by N,
+#: so the window's loss is the sum of the micro-batch means (named as ``"token-sum"`` is: what is
+#: summed, then ``-sum``).
+FORGOT_DIVIDE = "microbatch-mean-sum"
 
 LossFn = Callable[[nn.Module, "Batch"], Tensor]
 Grads = dict[str, Tensor]
@@ -80,7 +83,7 @@ def split_batch(batch: Batch, sizes: int | Sequence[int]) -> list[Batch]:
     return [batch[s : s + n] for s, n in zip(starts, sizes, strict=True)]
 
 
-# ---------------------------------------------------------------- the normalizations
+# ---------------------------------------------------------------- the reductions
 @dataclass(frozen=True)
 class Window:
     """What a whole accumulation window holds; counted *before* the first backward."""
@@ -99,30 +102,30 @@ class Window:
 
 
 def normalized_loss(
-    token_losses: Tensor, mask: Tensor | None, normalization: str, window: Window
+    token_losses: Tensor, mask: Tensor | None, reduction: str, window: Window
 ) -> Tensor:
     """The scalar one micro-batch contributes, so the window's sum is the intended loss.
 
-    - ``mean_of_means``: this micro-batch's mean over its own tokens, divided by N. Right only
+    - ``microbatch-mean``: this micro-batch's mean over its own tokens, divided by N. Right only
       when every micro-batch holds the same number of real tokens.
-    - ``per_sample``: each sample's mean over its tokens, summed, divided by the window's
+    - ``sequence``: each sample's mean over its tokens, summed, divided by the window's
       sample count (every sample weighs the same, however long).
-    - ``per_token``: summed token losses divided by the window's real-token count (every
+    - ``token``: summed token losses divided by the window's real-token count (every
       token weighs the same, as in one big padded batch).
+    - ``microbatch-mean-sum`` (:data:`FORGOT_DIVIDE`): the bug, this micro-batch's mean alone.
     """
     m = torch.ones_like(token_losses) if mask is None else mask.to(token_losses.dtype)
-    summed = (token_losses * m).sum()
-    if normalization == "mean_of_means":
-        return summed / m.sum() / window.n_micro
-    if normalization == FORGOT_DIVIDE:
-        return summed / m.sum()
-    if normalization == "per_sample":
-        # clamp: a sample with no real token contributes 0 instead of 0/0
-        per_sample = (token_losses * m).sum(1) / m.sum(1).clamp(min=1)
-        return per_sample.sum() / window.n_samples
-    if normalization == "per_token":
-        return summed / window.n_tokens
-    raise ValueError(f"unknown normalization {normalization!r}; choose from {NORMALIZATIONS}")
+    lm = token_losses * m  # padding's losses become 0
+    loss_of = {  # each computed only when chosen
+        "microbatch-mean": lambda: lm.sum() / m.sum() / window.n_micro,
+        # each sample's mean over its real tokens (clamp: a sample with none gives 0, not 0/0)
+        "sequence": lambda: (lm.sum(1) / m.sum(1).clamp(min=1)).sum() / window.n_samples,
+        "token": lambda: lm.sum() / window.n_tokens,
+        FORGOT_DIVIDE: lambda: lm.sum() / m.sum(),
+    }
+    if reduction not in loss_of:
+        raise ValueError(f"unknown reduction {reduction!r}; choose from {', '.join(loss_of)}")
+    return loss_of[reduction]()
 
 
 # ---------------------------------------------------------------- gradients
@@ -138,23 +141,23 @@ def accumulate_gradients(
     model: nn.Module,
     micro_batches: Sequence[Batch],
     loss_fn: LossFn,
-    normalization: str = "mean_of_means",
+    reduction: str = "microbatch-mean",
 ) -> Grads:
     """Run forward + backward on each micro-batch and return the summed gradient."""
-    window = Window.of(micro_batches)  # per_token needs the whole window's count up front
+    window = Window.of(micro_batches)  # "token" needs the whole window's count up front
     # Zero once, *before* the loop: zeroing inside it would erase all but the last micro-batch.
     model.zero_grad(set_to_none=True)
     for mb in micro_batches:
-        loss = normalized_loss(loss_fn(model, mb), mb.mask, normalization, window)
+        loss = normalized_loss(loss_fn(model, mb), mb.mask, reduction, window)
         loss.backward()  # .grad += d(loss)/d(param): this addition *is* the accumulation
     return grads_of(model)
 
 
 def full_batch_gradient(
-    model: nn.Module, batch: Batch, loss_fn: LossFn, normalization: str = "per_token"
+    model: nn.Module, batch: Batch, loss_fn: LossFn, reduction: str = "token"
 ) -> Grads:
     """The reference: one forward + backward on the whole batch (a window of one)."""
-    return accumulate_gradients(model, [batch], loss_fn, normalization)
+    return accumulate_gradients(model, [batch], loss_fn, reduction)
 
 
 @dataclass(frozen=True)
@@ -190,7 +193,7 @@ def mse_loss(model: nn.Module, batch: Batch) -> Tensor:
     return (model(batch.x) - batch.y).pow(2).mean(dim=1, keepdim=True)
 
 
-def token_loss(model: nn.Module, batch: Batch) -> Tensor:
+def token_losses(model: nn.Module, batch: Batch) -> Tensor:
     """Per-token cross-entropy, shape ``(batch, tokens)``; padding is masked later."""
     logits = model(batch.x)
     losses = F.cross_entropy(logits.flatten(0, 1), batch.y.flatten(), reduction="none")
@@ -204,7 +207,7 @@ def train_one_device(
     batches: Sequence[Batch],
     n_micro: int,
     loss_fn: LossFn = mse_loss,
-    normalization: str = "mean_of_means",
+    reduction: str = "microbatch-mean",
     max_grad_norm: float | None = None,
     grad_norms: list[float] | None = None,
 ) -> list[float]:
@@ -217,8 +220,8 @@ def train_one_device(
     for batch in batches:
         with torch.no_grad():
             tl = loss_fn(model, batch)
-            losses.append(normalized_loss(tl, batch.mask, "per_token", Window.of([batch])).item())
-        grads = accumulate_gradients(model, split_batch(batch, n_micro), loss_fn, normalization)
+            losses.append(normalized_loss(tl, batch.mask, "token", Window.of([batch])).item())
+        grads = accumulate_gradients(model, split_batch(batch, n_micro), loss_fn, reduction)
         if grad_norms is not None:
             grad_norms.append(
                 torch.linalg.vector_norm(torch.cat([g.flatten() for g in grads.values()])).item()

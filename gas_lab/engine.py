@@ -21,6 +21,8 @@ around it (config, refusals, precision, schedules, checkpoints).
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
+from typing import Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -38,6 +40,26 @@ def samples_run(micro_batches: int, micro_batch_size: int, world_size: int) -> i
     """Unmanaged: the samples one update consumed, counted from this rank's ``backward()``
     calls (exact when every rank ran as many; lesson 04 shows what it says when not)."""
     return micro_batches * micro_batch_size * world_size
+
+
+@runtime_checkable
+class Strategy(Protocol):
+    """How the boundary reduces and updates: everything an engine calls on its strategy.
+    :class:`AllReduce` (stage 0), :class:`gas_lab.zero1.ShardedUpdate` (lesson 05) and
+    :class:`gas_lab.zero2.PartitionedGradientUpdate` (lesson 09) are the floor's; DeepSpeed's
+    engine calls a few more (:class:`gas_lab.deepspeed_compat.strategies.DeepSpeedStrategy`).
+    Built by ``strategy(params, optimizer, group, max_norm)``."""
+
+    optimizer: torch.optim.Optimizer  # the one that steps (ZeRO: over this rank's shard)
+
+    def after_backward(self) -> None:
+        """A backward pass ended (ZeRO-2 reduces its last bucket; the others do nothing)."""
+
+    def reduce_gradients(self) -> None:
+        """The boundary: average the gradients over ranks."""
+
+    def update(self) -> bool:
+        """Clip, step, clear the gradients. True: the weights changed (False: skipped)."""
 
 
 class AllReduce:
@@ -89,13 +111,13 @@ class ManagedEngine(torch.nn.Module):
         gas: int,
         micro_batch_size: int,
         group=None,
-        strategy=AllReduce,
+        strategy: Callable[..., Strategy] = AllReduce,
         max_norm: float = 0.0,
     ):
         super().__init__()
         broadcast_parameters(module, group)  # every rank starts from rank 0's weights
         self.module, self.group = module, group
-        self.strategy = strategy(list(module.parameters()), optimizer, group, max_norm)
+        self.strategy: Strategy = strategy(list(module.parameters()), optimizer, group, max_norm)
         self.optimizer = self.strategy.optimizer  # ZeRO re-points it at this rank's shard
         self.gas, self.micro_batch_size = gas, micro_batch_size
         self.world_size = dist.get_world_size(group) if group is not None else 1
@@ -118,10 +140,13 @@ class ManagedEngine(torch.nn.Module):
         return loss
 
     def after_backward(self) -> None:
-        """The end of a backward pass: the boundary micro-batch reduces now (not inside
-        ``no_sync()``)."""
-        if self.is_gradient_accumulation_boundary() and not self.inside_no_sync_ctxt:
+        """The end of a backward pass: the boundary micro-batch reduces now."""
+        if self.reduces_now():
             self.strategy.reduce_gradients()
+
+    def reduces_now(self) -> bool:
+        """At the boundary and not inside ``no_sync()``: the gradients are reduced here."""
+        return self.is_gradient_accumulation_boundary() and not self.inside_no_sync_ctxt
 
     def step(self) -> None:
         """Update at the boundary only; every call counts."""
@@ -156,7 +181,14 @@ class ManagedEngine(torch.nn.Module):
 
 class Engine(ManagedEngine):
     """:class:`ManagedEngine`, or with ``managed=False`` unmanaged accumulation (lesson 04);
-    and a strategy that reduces during every backward (ZeRO-2, lesson 09) hears of its end."""
+    and a strategy that reduces during every backward (ZeRO-2, lesson 09) hears of its end.
+
+    One engine in two classes so that lesson 03 prints the managed half and lesson 04 only what
+    unmanaged changes; gas_lab builds only this one. An unmanaged ``step()`` reads across both:
+    :meth:`step` opens the boundary (``inside_step``) and reduces, :meth:`ManagedEngine.step`
+    updates (:meth:`ManagedEngine.update`, then :meth:`update` here resets ``backward_calls``)
+    and counts the micro-step, and :meth:`step` closes the boundary.
+    """
 
     def __init__(self, module, optimizer, gas: int, micro_batch_size: int, managed=True, **kw):
         super().__init__(module, optimizer, gas, micro_batch_size, **kw)  # group, strategy, ...

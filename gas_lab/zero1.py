@@ -29,6 +29,7 @@ bookkeeping are added on top, in :mod:`gas_lab.deepspeed_compat.zero`.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import torch
@@ -40,6 +41,15 @@ from gas_lab.dp import all_reduce_mean, clip_by_norm, global_norm
 # every shard starts aligned; the flat vector is padded with zeros up to W x that multiple.
 ALIGNMENT = 2
 REDUCE_MODES = ("all_reduce", "reduce_scatter")
+
+
+@contextlib.contextmanager
+def renamed_collective():
+    """Around ``reduce_scatter_tensor`` and ``all_gather_into_tensor``: torch 2.13 renamed both
+    (``*_single``) and warns at each call; the old names work on every torch from 2.4 on."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        yield
 
 
 class Layout:
@@ -178,8 +188,7 @@ class ShardedUpdate:
         if self.group is None:
             return local[g.start : g.end]
         shard = torch.empty(g.layout.shard_size, dtype=local.dtype, device=local.device)
-        with warnings.catch_warnings():  # torch 2.13 renamed it; the name works >= 2.4
-            warnings.simplefilter("ignore", FutureWarning)
+        with renamed_collective():
             dist.reduce_scatter_tensor(shard, local, group=self.group)
         return shard.div_(self.world_size)  # reduce-scatter sums; we step on the mean
 
@@ -221,7 +230,8 @@ def gather_weights(groups: list[_FlatGroup], group=None) -> None:
         if group is None:
             g.flat.copy_(shard)
         else:
-            dist.all_gather_into_tensor(g.flat, shard, group=group)
+            with renamed_collective():
+                dist.all_gather_into_tensor(g.flat, shard, group=group)
 
 
 def flat_groups(params, optimizer, world_size: int, rank: int) -> list[_FlatGroup]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 
-def per_token_stream(model, stream, loss_fn):
+def token_mean_stream(model, stream, loss_fn):
     """Exercise 1: the window's per-token gradient, its token count known only at the end."""
     model.zero_grad()
     n_tokens = 0
@@ -36,7 +36,7 @@ def clipped_step(model, optimizer, micro_batches, loss_fn, max_norm):
 
 
 if __name__ == "__main__":
-    from gas_lab.lessons.exercises.lesson01 import check_clipped_step, check_per_token_stream
+    from gas_lab.lessons.exercises.lesson01 import check_clipped_step, check_token_mean_stream
 
-    print(check_per_token_stream(per_token_stream))
+    print(check_token_mean_stream(token_mean_stream))
     print(check_clipped_step(clipped_step))

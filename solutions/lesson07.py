@@ -26,14 +26,14 @@ class Trainer:
         self.world = dist.get_world_size()
 
     def train_step(self, micro_batches):
-        from gas_lab.accumulate import token_loss
+        from gas_lab.accumulate import token_losses
         from gas_lab.dp import global_count
 
         # The bug: the count was all-reduced once, at step 0, and reused. Every step has its
         # own rollouts, so its own count: one all-reduce per step, before the first backward.
         tokens = global_count(sum(int(mb.mask.sum()) for mb in micro_batches))
         for mb in micro_batches:
-            loss = (token_loss(self.engine, mb) * mb.mask).sum() / tokens * self.world
+            loss = (token_losses(self.engine, mb) * mb.mask).sum() / tokens * self.world
             self.engine.backward(loss, scale_wrt_gas=False)
         self.engine.step()
 

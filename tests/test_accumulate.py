@@ -1,7 +1,7 @@
 """gas_lab.accumulate (and the lesson-01 explorer and plots built on it).
 
 References here are written out with plain torch, independently of the library's
-``normalized_loss``, so a wrong normalization in the library cannot hide behind itself.
+``normalized_loss``, so a wrong reduction in the library cannot hide behind itself.
 """
 
 import pytest
@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from gas_lab.accumulate import (
     FORGOT_DIVIDE,
-    NORMALIZATIONS,
+    REDUCTIONS,
     Batch,
     Window,
     accumulate_gradients,
@@ -22,7 +22,7 @@ from gas_lab.accumulate import (
     normalized_loss,
     ragged_sizes,
     split_batch,
-    token_loss,
+    token_losses,
     train_one_device,
 )
 from gas_lab.toys import (
@@ -42,7 +42,7 @@ def _hand_grads(model, loss):
     return grads_of(model)
 
 
-def _hand_per_token_ref(batch, seed=0):
+def _hand_token_ref(batch, seed=0):
     """Full-batch per-token gradient, written out by hand."""
     model = TinySeqModel(seed)
     logits = model(batch.x)
@@ -53,7 +53,7 @@ def _hand_per_token_ref(batch, seed=0):
     return _hand_grads(model, (ce * m).sum() / m.sum())
 
 
-def _hand_per_sample_ref(batch, seed=0):
+def _hand_sequence_ref(batch, seed=0):
     model = TinySeqModel(seed)
     logits = model(batch.x)
     ce = F.cross_entropy(logits.transpose(1, 2), batch.y, reduction="none")  # (B, T)
@@ -106,34 +106,43 @@ def test_spread_lengths_range():
     assert lengths[0] == 16 and lengths[-1] == 1 and lengths == sorted(lengths, reverse=True)
 
 
-# ---------------------------------------------------------------- normalizations
+# ---------------------------------------------------------------- reductions
 def test_normalized_loss_values_by_hand():
     losses = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
     mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
     window = Window(n_micro=2, n_samples=5, n_tokens=10)
-    assert normalized_loss(losses, mask, "mean_of_means", window).item() == pytest.approx(
+    assert normalized_loss(losses, mask, "microbatch-mean", window).item() == pytest.approx(
         (1 + 2 + 4) / 3 / 2
     )
     assert normalized_loss(losses, mask, FORGOT_DIVIDE, window).item() == pytest.approx(7 / 3)
-    assert normalized_loss(losses, mask, "per_sample", window).item() == pytest.approx(
+    assert normalized_loss(losses, mask, "sequence", window).item() == pytest.approx(
         (1.5 + 4.0) / 5
     )
-    assert normalized_loss(losses, mask, "per_token", window).item() == pytest.approx(7 / 10)
-    with pytest.raises(ValueError, match="per_token"):
+    assert normalized_loss(losses, mask, "token", window).item() == pytest.approx(7 / 10)
+    with pytest.raises(ValueError) as refused:
         normalized_loss(losses, mask, "mean", window)
+    listed = str(refused.value).split("choose from ")[1].split(", ")
+    assert sorted(listed) == sorted((*REDUCTIONS, FORGOT_DIVIDE))  # every value it accepts
+    for accepted in listed:
+        normalized_loss(losses, mask, accepted, window)
+
+
+def test_the_floor_speaks_the_checkers_words():
+    """One vocabulary: every reduction of the floor is one the loop checker declares."""
+    from gas_lab.check.objectives import REDUCTIONS as CHECKED
+
+    assert set(REDUCTIONS) - {"microbatch-mean"} <= set(CHECKED)
 
 
 @pytest.mark.parametrize("n_micro", [1, 2, 4, 8])
-@pytest.mark.parametrize("normalization", NORMALIZATIONS)
-def test_equal_micro_batches_match_full_batch(n_micro, normalization):
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_equal_micro_batches_match_full_batch(n_micro, reduction):
     batch = regression_batch(16, seed=n_micro)
     ref = full_batch_gradient(regression_mlp(0), batch, mse_loss)
     model = regression_mlp(0)
     # direct hand reference, too: MSE mean over the whole batch
     hand = _hand_grads(model, (model(batch.x) - batch.y).pow(2).mean())
-    got = accumulate_gradients(
-        regression_mlp(0), split_batch(batch, n_micro), mse_loss, normalization
-    )
+    got = accumulate_gradients(regression_mlp(0), split_batch(batch, n_micro), mse_loss, reduction)
     assert compare_grads(ref, hand).max_rel < TOL
     assert compare_grads(got, ref).max_rel < TOL
 
@@ -141,43 +150,43 @@ def test_equal_micro_batches_match_full_batch(n_micro, normalization):
 def test_forgotten_divide_is_n_times_too_large():
     batch = regression_batch(16)
     right = accumulate_gradients(
-        regression_mlp(0), split_batch(batch, 4), mse_loss, "mean_of_means"
+        regression_mlp(0), split_batch(batch, 4), mse_loss, "microbatch-mean"
     )
     wrong = accumulate_gradients(regression_mlp(0), split_batch(batch, 4), mse_loss, FORGOT_DIVIDE)
     assert compare_grads(wrong, {k: 4 * v for k, v in right.items()}).max_rel < TOL
     assert compare_grads(wrong, right).max_rel > 1.0
 
 
-def test_ragged_split_needs_per_sample():
+def test_ragged_split_needs_the_sequence_reduction():
     batch = regression_batch(10, seed=2)
     micro = split_batch(batch, ragged_sizes(10, 4))
     ref = full_batch_gradient(regression_mlp(0), batch, mse_loss)
-    for norm in ("per_sample", "per_token"):
+    for norm in ("sequence", "token"):
         assert (
             compare_grads(
                 accumulate_gradients(regression_mlp(0), micro, mse_loss, norm), ref
             ).max_rel
             < TOL
         )
-    wrong = accumulate_gradients(regression_mlp(0), micro, mse_loss, "mean_of_means")
+    wrong = accumulate_gradients(regression_mlp(0), micro, mse_loss, "microbatch-mean")
     assert compare_grads(wrong, ref).max_rel > 1e-2
 
 
-def test_masked_sequences_per_token_and_per_sample_match_hand_references():
+def test_masked_sequences_token_and_sequence_match_hand_references():
     batch = sequence_batch([8, 8, 7, 5, 3, 2, 2, 1], max_len=8, seed=4)
     micro = split_batch(batch, [3, 3, 2])
-    per_token = accumulate_gradients(TinySeqModel(0), micro, token_loss, "per_token")
-    per_sample = accumulate_gradients(TinySeqModel(0), micro, token_loss, "per_sample")
-    mean_of_means = accumulate_gradients(TinySeqModel(0), micro, token_loss, "mean_of_means")
-    assert compare_grads(per_token, _hand_per_token_ref(batch)).max_rel < TOL
-    assert compare_grads(per_sample, _hand_per_sample_ref(batch)).max_rel < TOL
+    token_mean = accumulate_gradients(TinySeqModel(0), micro, token_losses, "token")
+    sequence_mean = accumulate_gradients(TinySeqModel(0), micro, token_losses, "sequence")
+    microbatch_mean = accumulate_gradients(TinySeqModel(0), micro, token_losses, "microbatch-mean")
+    assert compare_grads(token_mean, _hand_token_ref(batch)).max_rel < TOL
+    assert compare_grads(sequence_mean, _hand_sequence_ref(batch)).max_rel < TOL
     assert (
-        compare_grads(full_batch_gradient(TinySeqModel(0), batch, token_loss), per_token).max_rel
+        compare_grads(full_batch_gradient(TinySeqModel(0), batch, token_losses), token_mean).max_rel
         < TOL
     )
-    assert compare_grads(mean_of_means, _hand_per_token_ref(batch)).max_rel > 1e-2
-    # the two honest normalizations are different objectives once lengths differ
-    assert compare_grads(per_sample, per_token).max_rel > 1e-2
+    assert compare_grads(microbatch_mean, _hand_token_ref(batch)).max_rel > 1e-2
+    # the two honest reductions are different objectives once lengths differ
+    assert compare_grads(sequence_mean, token_mean).max_rel > 1e-2
 
 
 def test_padding_content_is_ignored():
@@ -185,8 +194,8 @@ def test_padding_content_is_ignored():
     noisy = Batch(batch.x.clone(), batch.y.clone(), batch.mask)
     noisy.x[batch.mask == 0] = 7  # junk in the padding must not change anything
     noisy.y[batch.mask == 0] = 3
-    a = accumulate_gradients(TinySeqModel(0), split_batch(batch, 2), token_loss, "per_token")
-    b = accumulate_gradients(TinySeqModel(0), split_batch(noisy, 2), token_loss, "per_token")
+    a = accumulate_gradients(TinySeqModel(0), split_batch(batch, 2), token_losses, "token")
+    b = accumulate_gradients(TinySeqModel(0), split_batch(noisy, 2), token_losses, "token")
     # masked positions are multiplied by 0 before the sum, so their junk contributes nothing
     assert compare_grads(a, b).max_abs == 0.0
 
@@ -233,7 +242,7 @@ def test_sgd_without_divide_equals_n_times_the_learning_rate():
     batches = [regression_batch(16, seed=s) for s in range(5)]
     bug, fast = regression_mlp(0), regression_mlp(0)
     bug_losses = train_one_device(
-        bug, torch.optim.SGD(bug.parameters(), lr=0.01), batches, 4, normalization=FORGOT_DIVIDE
+        bug, torch.optim.SGD(bug.parameters(), lr=0.01), batches, 4, reduction=FORGOT_DIVIDE
     )
     fast_losses = train_one_device(fast, torch.optim.SGD(fast.parameters(), lr=0.04), batches, 4)
     assert bug_losses == pytest.approx(fast_losses, rel=1e-5)
@@ -244,14 +253,14 @@ def test_sgd_without_divide_equals_n_times_the_learning_rate():
 def test_train_records_gradient_norms_and_clips_them():
     batches = [regression_batch(16, seed=s) for s in range(3)]
     norms_bug, norms_right = [], []
-    for norm, out in ((FORGOT_DIVIDE, norms_bug), ("mean_of_means", norms_right)):
+    for norm, out in ((FORGOT_DIVIDE, norms_bug), ("microbatch-mean", norms_right)):
         model = regression_mlp(0)
         train_one_device(
             model,
             torch.optim.SGD(model.parameters(), lr=0.0),
             batches,
             4,
-            normalization=norm,
+            reduction=norm,
             grad_norms=out,
         )
     assert len(norms_bug) == 3
@@ -274,23 +283,23 @@ def test_train_reduces_the_loss():
 
 
 # ---------------------------------------------------------------- explorer compute, widget, plots
-def test_explorer_compute_no_spread_means_every_normalization_agrees():
+def test_explorer_compute_no_spread_means_every_reduction_agrees():
     from gas_lab.lessons.widgets import error_vs_reference
 
-    for norm in NORMALIZATIONS:
+    for norm in REDUCTIONS:
         assert error_vs_reference(norm, 4, spread=0.0).max_rel < TOL
 
 
-def test_explorer_compute_spread_breaks_mean_of_means_only():
+def test_explorer_compute_spread_breaks_microbatch_mean_only():
     from gas_lab.lessons.widgets import error_vs_reference, explorer_errors
 
-    assert error_vs_reference("mean_of_means", 1, spread=1.0).max_rel < TOL  # N=1 is the batch
+    assert error_vs_reference("microbatch-mean", 1, spread=1.0).max_rel < TOL  # N=1 is the batch
     errors = explorer_errors(1.0, [2, 3, 5])  # 3 and 5 do not divide 24: ragged splits
-    assert set(errors) == set(NORMALIZATIONS)
-    assert all(e > 1e-2 for e in errors["mean_of_means"])
-    assert all(e < TOL for e in errors["per_token"])
+    assert set(errors) == set(REDUCTIONS)
+    assert all(e > 1e-2 for e in errors["microbatch-mean"])
+    assert all(e < TOL for e in errors["token"])
     # the error grows with the spread of lengths at fixed N
-    grow = [error_vs_reference("mean_of_means", 4, s).max_rel for s in (0.25, 0.5, 0.9)]
+    grow = [error_vs_reference("microbatch-mean", 4, s).max_rel for s in (0.25, 0.5, 0.9)]
     assert grow == sorted(grow)
 
 
@@ -303,10 +312,10 @@ def test_explorer_widget_builds_and_follows_its_controls():
 
     box = accumulation_explorer(n_max=4)
     n, spread, norm, label, _out = box.children
-    assert "mean_of_means, N=4" in label.value
+    assert "microbatch-mean, N=4" in label.value
     before = float(label.value.rsplit(" ", 1)[1])
     assert before > 1e-2
-    norm.value = "per_token"
+    norm.value = "token"
     assert float(label.value.rsplit(" ", 1)[1]) < TOL
     n.value, spread.value = 2, 0.0
     assert "N=2, spread=0.00" in label.value
@@ -320,7 +329,7 @@ def test_plots_draw_one_line_per_series():
 
     from gas_lab.lessons.plots import plot_error_vs_n, plot_loss_curves
 
-    fig = plot_error_vs_n([1, 2, 4], {"mean_of_means": [0.0, 0.1, 0.2], "per_token": [0, 0, 0]})
+    fig = plot_error_vs_n([1, 2, 4], {"microbatch-mean": [0.0, 0.1, 0.2], "token": [0, 0, 0]})
     ax = fig.axes[0]
     assert len(ax.lines) == 2 + 1  # two series and the float32-noise guide
     assert min(ax.lines[0].get_ydata()) > 0  # exact zeros drawn at the floor on a log axis

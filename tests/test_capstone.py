@@ -16,7 +16,7 @@ from gas_lab.accumulate import (
     compare_grads,
     full_batch_gradient,
     grads_of,
-    token_loss,
+    token_losses,
 )
 from gas_lab.lessons import rollouts
 
@@ -63,12 +63,12 @@ def _simulated_step(world_size: int, scaling: str, step: int = 1, times_world=Tr
         counts = rollouts.StepCounts(Window.of(mbs), total, world)
         model = rollouts.TinyTransformer(0)
         for mb in mbs:
-            rollouts.micro_batch_loss(token_loss(model, mb), mb.mask, scaling, counts).backward()
+            rollouts.micro_batch_loss(token_losses(model, mb), mb.mask, scaling, counts).backward()
         grads.append(grads_of(model))
     averaged = {k: sum(g[k] for g in grads) / world_size for k in grads[0]}
     every = [mb for mbs in per_rank for mb in mbs]
     big = Batch(*(torch.cat([getattr(m, k) for m in every]) for k in ("x", "y", "mask")))
-    return averaged, full_batch_gradient(rollouts.TinyTransformer(0), big, token_loss)
+    return averaged, full_batch_gradient(rollouts.TinyTransformer(0), big, token_losses)
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3])
@@ -82,7 +82,7 @@ def test_forgetting_times_world_size_divides_the_gradient_by_it():
     assert compare_grads({k: 2 * v for k, v in got.items()}, ref).max_rel < 1e-5
 
 
-@pytest.mark.parametrize("scaling", ["mean_of_means", "local_tokens"])
+@pytest.mark.parametrize("scaling", ["microbatch-mean", "local_tokens"])
 def test_the_pitfall_scalings_are_off_when_ranks_differ(scaling):
     got, ref = _simulated_step(2, scaling)
     assert compare_grads(got, ref).max_rel > 0.05
@@ -110,7 +110,7 @@ def test_drift_and_the_figures():
     fig = rollouts.plot_tokens([[5, 40], [30, 10], [12, 12]])
     assert len(fig.axes) == 2
     losses = {name: [1.0, 0.5] for name in rollouts.PITFALLS}
-    fig = rollouts.plot_pitfalls(losses, {"mean_of_means": [1e-3, 1e-2], "local_tokens": [0, 0]})
+    fig = rollouts.plot_pitfalls(losses, {"microbatch-mean": [1e-3, 1e-2], "local_tokens": [0, 0]})
     assert [ax.get_yscale() for ax in fig.axes] == ["linear", "log"]
 
 
@@ -151,7 +151,7 @@ def test_deepspeed_zero1_unmanaged_matches_the_reference_and_pitfalls_do_not(clu
         assert out[rank]["none"][-1]["global_samples"] == rollouts.SPEC.rows * 2 * mine
     drift = {p: _max_diff(out[0][p][-1]["params"], right[-1]["params"]) for p in rollouts.PITFALLS}
     assert drift["none"] == 0.0
-    assert drift["mean_of_means"] > 1e-3 and drift["local_tokens"] > 1e-3
+    assert drift["microbatch-mean"] > 1e-3 and drift["local_tokens"] > 1e-3
     # scale_wrt_gas=True divides every gradient by GAS: plain Adam barely notices (eps),
     # clipping at 1.0 does (the bug clips at GAS x 1.0).
     if clip:

@@ -1,6 +1,7 @@
 """gas_lab.deepspeed_compat.config: DeepSpeed's defaults and batch arithmetic, stricter key/type checking."""
 
 import os
+import sys
 
 import pytest
 import torch
@@ -501,3 +502,24 @@ def test_rules_table_is_complete():
     for row in rows:
         assert row["why"].strip() and row["silent failure it prevents"].strip()
         assert row["when"] in ("initialize", "call", "context")
+
+
+@pytest.mark.parametrize("reader", ["hjson", "json"])
+def test_a_config_that_is_not_json_is_a_config_error_whichever_reader_reads_it(
+    tmp_path, monkeypatch, reader
+):
+    """Without hjson (``sys.modules["hjson"] = None`` makes its import fail), json reads the
+    file; its syntax error must not escape as a bare JSONDecodeError."""
+    from gas_lab.deepspeed_compat.config import read_config
+
+    if reader == "json":
+        monkeypatch.setitem(sys.modules, "hjson", None)
+    else:
+        pytest.importorskip("hjson")
+    path = tmp_path / "ds_config.json"
+    path.write_text('{"train_micro_batch_size_per_gpu": 2,, }')
+    with pytest.raises(ConfigError, match="is not JSON"):
+        read_config(str(path))
+    path.write_text('{"train_micro_batch_size_per_gpu": 2, "train_micro_batch_size_per_gpu": 4}')
+    with pytest.raises(ConfigError, match="appears twice"):
+        read_config(str(path))

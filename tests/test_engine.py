@@ -365,3 +365,36 @@ def test_coalesce_at_zero1_reduces_once_on_leaving_and_refuses_what_deepspeed_re
     assert not engine.was_step_applied()  # micro-step 0 of 2
     engine.step()
     assert engine.was_step_applied() and engine.global_steps == 1 and calls == [0]
+
+
+# ---------------------------------------------------------------- the strategy's interface
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_every_stage_builds_a_strategy_with_every_method_the_engine_calls(stage):
+    """The engines call a strategy through the two Protocols only: the floor's ``Strategy``
+    (``after_backward``, ``reduce_gradients``, ``update``) and ``DeepSpeedStrategy`` (those and
+    ``before_backward``, ``defer_reduction``, ``destroy``, ``last_norm``)."""
+    from gas_lab.deepspeed_compat.strategies import DeepSpeedStrategy
+    from gas_lab.engine import Strategy
+
+    engine, _ = make(zero_optimization={"stage": stage}, zero_allow_untested_optimizer=True)
+    assert isinstance(engine.strategy, DeepSpeedStrategy)
+    assert isinstance(engine.strategy, Strategy)
+    fwd_bwd(engine, 0, 0)
+    assert engine.get_global_grad_norm() is None  # no update yet (stage 0: never one)
+    engine.destroy()
+
+
+def test_the_floors_strategies_are_strategies_and_the_engines_ask_no_getattr():
+    import inspect
+
+    import gas_lab.deepspeed_compat.engine as deepspeed_engine
+    import gas_lab.engine as floor
+    from gas_lab.engine import AllReduce, Strategy
+    from gas_lab.zero1 import ShardedUpdate
+    from gas_lab.zero2 import PartitionedGradientUpdate
+
+    for cls in (AllReduce, ShardedUpdate, PartitionedGradientUpdate):
+        params = list(tiny_model(0).parameters())
+        assert isinstance(cls(params, torch.optim.SGD(params, lr=0.1)), Strategy), cls
+    for module in (floor, deepspeed_engine):
+        assert "getattr(self.strategy" not in inspect.getsource(module), module.__name__

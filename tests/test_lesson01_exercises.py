@@ -14,12 +14,12 @@ from exercise_support import (
 from gas_lab.lessons.exercises.lesson01 import (
     buggy_clipped_step,
     check_clipped_step,
-    check_per_token_stream,
+    check_token_mean_stream,
 )
 
 SOL = load_solutions(1)
 CHECKS = [
-    (check_per_token_stream, SOL.per_token_stream),
+    (check_token_mean_stream, SOL.token_mean_stream),
     (check_clipped_step, SOL.clipped_step),
 ]
 
@@ -83,16 +83,16 @@ def _looks_ahead(model, stream, loss_fn):
     ],
 )
 def test_stream_mistakes_are_named_then_hinted(wrong, case, words, hint):
-    verdict = check_per_token_stream(wrong)
+    verdict = check_token_mean_stream(wrong)
     assert_failed(verdict, case, *words)
     assert hint not in str(verdict)
     assert "Look again at: Pitfall 2's fix" in str(verdict)
     reset_tries()
-    assert_hint_on_second_try(lambda: check_per_token_stream(wrong), hint)
+    assert_hint_on_second_try(lambda: check_token_mean_stream(wrong), hint)
 
 
 def test_looking_ahead_is_refused_by_the_stream():
-    verdict = check_per_token_stream(_looks_ahead)
+    verdict = check_token_mean_stream(_looks_ahead)
     assert_failed(verdict, "no padding, equal micro-batches", "raised LookedAhead", "before")
     assert verdict.cases_passed == 1  # a single micro-batch leaves nothing to look ahead at
 

@@ -30,7 +30,7 @@ def test_sequence_mean_todo():
     assert_todo(check_sequence_mean_loss(todo))
 
 
-def _per_token(tl, mask, rank_sequences, all_sequences, all_tokens, world_size):
+def _token_mean(tl, mask, rank_sequences, all_sequences, all_tokens, world_size):
     return (tl * mask).sum() / all_tokens * world_size  # the capstone's own objective
 
 
@@ -55,7 +55,7 @@ def _micro_batch_mean(tl, mask, rank_sequences, all_sequences, all_tokens, world
 @pytest.mark.parametrize(
     ("wrong", "case", "words", "hint_words"),
     [
-        (_per_token, "1 rank", ["long sequences weigh more", "off by"], ["own real tokens"]),
+        (_token_mean, "1 rank", ["long sequences weigh more", "off by"], ["own real tokens"]),
         (_own_sequences, "2 ranks with very different token counts", ["ranks of different"],
          ["all_sequences"]),
         (_no_world, "2 ranks with very different token counts", ["1/2", "right direction"],

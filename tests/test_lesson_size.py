@@ -80,3 +80,9 @@ def test_the_readme_states_the_same_minutes():
     assert set(rows) == {p.name for p in NOTEBOOKS}, "the README's table lists every notebook"
     for path in NOTEBOOKS:
         assert int(rows[path.name]) == _stated_minutes(path), f"README row of {path.name}"
+
+
+def test_the_record_points_to_its_method_and_the_method_is_written_down():
+    """The record's ``method`` names the page that says how to time a notebook again."""
+    page, section = re.search(r"\((docs/[^,]+\.md), \"([^\"]+)\"\)", RUN_THROUGH["method"]).groups()
+    assert f"## {section}\n" in (ROOT / page).read_text(), f"{page} has no section {section!r}"

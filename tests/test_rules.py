@@ -706,3 +706,17 @@ def test_stage2_keeps_fp32_accumulated_gradients(cluster):
     reason = refusals.rule_named("grad_accum_dtype_stage0").reason
     assert "stage 2" in reason and "use_separate_grad_accum" in reason
     assert "stage 1 only" not in reason
+
+
+def test_the_rules_page_names_every_idle_rank_rule_it_sets_apart():
+    """docs/rules.md sets the idle-rank rows apart by name (no count to go stale): the names it
+    lists are the idle-rank rules, all of them."""
+    import re
+    from pathlib import Path
+
+    from gas_lab.rules.idle_rank_refusals import IDLE_RANK_REFUSALS
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "rules.md").read_text()
+    paragraph = text[text.index("The idle-rank rows") :].split("\n\n")[0]
+    named = set(re.findall(r"`(idle_[a-z0-9_]+)`", paragraph))
+    assert named == {rule.name for rule in IDLE_RANK_REFUSALS}

@@ -33,8 +33,8 @@ def _move(control, value) -> float:
 def test_only_a_new_spread_computes_anything(explorer):
     n, spread, norm, label, _ = explorer.children
     assert explorer.computed == 1  # the spread it opened with
-    n.value, norm.value = 7, "per_token"
-    assert explorer.computed == 1 and "per_token, N=7" in label.value
+    n.value, norm.value = 7, "token"
+    assert explorer.computed == 1 and "token, N=7" in label.value
     spread.value = 0.8
     assert explorer.computed == 2
     spread.value = 0.5  # seen before: from the cache

@@ -12,7 +12,7 @@ from parity_support import config as shared_config
 from gas_lab import initialize
 from gas_lab.dp import clip_by_norm
 from gas_lab.toys import micro_batch, tiny_model
-from gas_lab.zero1 import ALIGNMENT, Layout, ShardedUpdate, global_norm
+from gas_lab.zero1 import ALIGNMENT, REDUCE_MODES, Layout, ShardedUpdate, global_norm
 
 
 def config(optimizer, gas, managed=True, stage=1, **extra):
@@ -491,3 +491,34 @@ def test_stage_1_halves_the_optimizer_state(cluster, optimizer):
         counter = 4 if optimizer is ADAM else 0  # Adam's float32 "step"; SGD has none
         assert (zero.per_tensor_bytes, one.per_tensor_bytes) == (counter * n_tensors, counter)
         assert one.state_bytes < zero.state_bytes / 2 + per_element * layout.padding
+
+
+@pytest.mark.parametrize("reduce", REDUCE_MODES)
+def test_no_collective_renamed_by_torch_warns(monkeypatch, reduce):
+    """torch 2.13 deprecated ``reduce_scatter_tensor`` and ``all_gather_into_tensor`` (each call
+    warns); ZeRO-1 calls both, and neither may print a FutureWarning above a lesson's output.
+    Stand-ins for the two collectives (a group of one rank, no process group) warn as torch's do."""
+    import warnings
+
+    import torch.distributed as dist
+
+    def renamed(name, copy):
+        def collective(out, inp, group=None):
+            warnings.warn(f"`torch.distributed.{name}` is deprecated", FutureWarning, stacklevel=2)
+            copy(out, inp)
+
+        return collective
+
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 1)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(dist, "all_reduce", lambda t, op=None, group=None: t)
+    for name in ("reduce_scatter_tensor", "all_gather_into_tensor"):
+        monkeypatch.setattr(dist, name, renamed(name, lambda out, inp: out.copy_(inp)))
+    model = tiny_model(0)
+    params = list(model.parameters())
+    zero = ShardedUpdate(params, torch.optim.SGD(params, lr=0.1), group="one rank", reduce=reduce)
+    model(torch.randn(3, 4)).sum().backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        zero.reduce_gradients()
+        zero.update()

@@ -68,8 +68,9 @@ class OptimizerConfig(_Section):
 
 
 class ZeroConfig(_Section):
-    """``zero_optimization``. Every key is read, or accepted and ignored as DeepSpeed ignores
-    it at stages 0 and 1 (said at the field); stages 2 and 3 are refused as out of scope."""
+    """``zero_optimization``. Every key is read, or accepted and ignored where DeepSpeed ignores
+    it (said at the field). Stages 0, 1 and 2 are built (:func:`.strategies.strategy_for`);
+    stage 3, and stage 2 below fp32, are refused as out of scope (:mod:`gas_lab.rules.out_of_scope`)."""
 
     stage: int = Field(0, ge=0, le=3)
     # Stage 1's gradient reduction follows the next five exactly as DeepSpeed's does
@@ -117,7 +118,7 @@ class GasConfig(keys.SwitchedOffKeys, _Section):
     gradient_predivide_factor: float = 1.0
     fp16: keys.Fp16Section = Field(default_factory=keys.Fp16Section)
     compile: keys.CompileSection = Field(default_factory=keys.CompileSection)
-    amp: dict | None = None  # present only so gas_lab/rules/refusals.py can say why it is refused
+    amp: dict | None = None  # only so gas_lab/rules/config_refusals.py can say why it is refused
     # Accepted and ignored, as DeepSpeed ignores it without a PipelineModule (refused: rules).
     pipeline: dict | None = None
     steps_per_print: int | None = None  # accepted and ignored (DeepSpeed's logging); 0 refused
@@ -357,9 +358,12 @@ def _parse_json(text: str, where: str) -> dict:
     try:
         import hjson  # DeepSpeed's reader: JSON plus comments and trailing commas
 
-        parsed = hjson.loads(text, object_pairs_hook=no_duplicates)
+        loads = hjson.loads
     except ImportError:
-        parsed = json.loads(text, object_pairs_hook=no_duplicates)
+        loads = json.loads
+    # One try for either reader: a syntax error is a ConfigError whichever one read it.
+    try:
+        parsed = loads(text, object_pairs_hook=no_duplicates)
     except ValueError as err:
         if isinstance(err, ConfigError):
             raise

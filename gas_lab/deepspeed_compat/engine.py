@@ -35,7 +35,7 @@ import torch.distributed as dist
 from gas_lab.deepspeed_compat import checkpoint, loader, precision, schedules
 from gas_lab.deepspeed_compat.config import GasConfig, choose_config, load_config, read_config
 from gas_lab.deepspeed_compat.devices import device_for, device_of, set_up_deepspeed_comm
-from gas_lab.deepspeed_compat.strategies import strategy_for
+from gas_lab.deepspeed_compat.strategies import DeepSpeedStrategy, strategy_for
 from gas_lab.dp import default_group
 from gas_lab.engine import Engine
 from gas_lab.errors import NotImplementedInGasLab
@@ -49,8 +49,28 @@ class DeepSpeedEngine(Engine):
     """:class:`gas_lab.engine.Engine` with DeepSpeed's config, refusals, hooks and bookkeeping.
 
     Built by :func:`initialize`; ``strategy(params, optimizer, group, max_norm, config)`` is one
-    of :func:`~gas_lab.deepspeed_compat.strategies.strategy_for`'s.
+    of :func:`~gas_lab.deepspeed_compat.strategies.strategy_for`'s, and builds a
+    :class:`~gas_lab.deepspeed_compat.strategies.DeepSpeedStrategy`: every method the engine
+    calls on it is named there.
+
+    The engine's state, besides the floor's counters and ``inside_no_sync_ctxt`` /
+    ``inside_step`` (:class:`gas_lab.engine.Engine`), each flag with who sets it and who reads it:
+
+    * ``_window_empty``: True from an update until a backward ends (:meth:`after_backward`) or
+      coalescing reduces; read by :meth:`check` (an idle rank's ``step()``, appendix A3).
+    * ``_boundary_reduced``: managed, the boundary's backward reduced (:meth:`after_backward`,
+      coalescing); cleared by :meth:`update`; read by :meth:`check`.
+    * ``_boundary_override``: :meth:`set_gradient_accumulation_boundary`'s True/False, or None
+      (the counter decides); read by :meth:`is_gradient_accumulation_boundary`.
+    * ``_inside_engine_backward``: set during :meth:`backward`, so the output hook
+      (:meth:`_on_output_grad`) leaves ``engine.backward()`` alone.
+    * ``_direct_backward_seen``: a direct ``loss.backward()`` is running: set by the output
+      hook once per pass, cleared when the pass ends (and by :meth:`forward`, after a failed one).
+    * ``_step_applied``, ``_lr_kwargs``: the last ``step()``'s outcome and its ``lr_kwargs``,
+      from :meth:`step` to :meth:`update` (the scheduler) and :meth:`was_step_applied`.
     """
+
+    strategy: DeepSpeedStrategy
 
     def __init__(self, module, optimizer, config: GasConfig, group, strategy, device=None):
         super().__init__(
@@ -97,7 +117,7 @@ class DeepSpeedEngine(Engine):
         """:meth:`Engine.backward <gas_lab.engine.Engine.backward>`, seen by no output hook."""
         if not (torch.is_tensor(loss) and loss.numel() == 1):
             raise ValueError("engine.backward() expects a scalar loss tensor")
-        self._strategy_hook("before_backward")  # bf16 + fp32 accumulation: fresh .grad
+        self.strategy.before_backward()  # bf16 + fp32 accumulation: fresh .grad
         self._inside_engine_backward = True
         try:
             return super().backward(loss, retain_graph, scale_wrt_gas)
@@ -107,21 +127,21 @@ class DeepSpeedEngine(Engine):
     def after_backward(self) -> None:
         super().after_backward()
         self._window_empty = False
-        # The floor reduced if this was the boundary micro-step, outside no_sync(): DeepSpeed's
-        # ZeRO-1/2 average the window's gradients there, and step() needs that average.
-        if self.is_gradient_accumulation_boundary() and not self.inside_no_sync_ctxt:
+        # The floor reduced if it reduces now: DeepSpeed's ZeRO-1/2 average the window's
+        # gradients there, and step() needs that average.
+        if self.reduces_now():
             self._boundary_reduced = True
 
     def _on_output_grad(self, grad):
         """Hook on the model's output: a backward pass reached it. Only a direct
-        ``loss.backward()`` gets past the first line: refused at stage 0 (``rules``); at stage 1
-        divided by GAS here, and reduced once autograd has filled every ``.grad``."""
+        ``loss.backward()`` gets past the first line: refused at stage 0 (``rules``); at stages 1
+        and 2 divided by GAS here, and reduced once autograd has filled every ``.grad``."""
         if self._inside_engine_backward:
             return grad
         if not self._direct_backward_seen:  # once per pass, however many outputs it reaches
             self.check("tensor_backward")
             self._direct_backward_seen = True
-            self._strategy_hook("before_backward")
+            self.strategy.before_backward()
             # Run once this pass ends (DeepSpeed's ZeRO optimizers use the same autograd call).
             torch.autograd.Variable._execution_engine.queue_callback(self._end_direct_backward)
         return grad / self.gas  # what scale_wrt_gas=True does
@@ -153,12 +173,6 @@ class DeepSpeedEngine(Engine):
             self.skipped_steps += 1
         return self._step_applied
 
-    def _strategy_hook(self, name: str, *args) -> None:
-        # Optional: strategies with extra buffers (bf16) or that reduce in backward (ZeRO-2).
-        hook = getattr(self.strategy, name, None)
-        if hook is not None:
-            hook(*args)
-
     # -- the boundary, moved or suspended ----------------------------------------------------
     def is_gradient_accumulation_boundary(self) -> bool:
         if self._boundary_override is not None:
@@ -187,13 +201,15 @@ class DeepSpeedEngine(Engine):
         unmanaged, at stage 0 and nested, as by DeepSpeed.
         """
         self.check("enter_coalesce")
-        self.inside_no_sync_ctxt = True
-        self._strategy_hook("defer_reduction", True)  # ZeRO-2 would reduce inside backward()
         try:
-            yield
-        finally:
-            self.inside_no_sync_ctxt = False
-            self._strategy_hook("defer_reduction", False)
+            # The floor's no_sync(): this class's would check no_sync()'s own rules.
+            with super().no_sync():
+                self.strategy.defer_reduction(True)  # ZeRO-2 would reduce inside backward()
+                try:
+                    yield
+                finally:
+                    self.strategy.defer_reduction(False)
+        finally:  # left by an exception too
             self.strategy.reduce_gradients()
             # Reduced, even if nothing, as the boundary: DeepSpeed then steps.
             self._window_empty, self._boundary_reduced = False, True
@@ -252,7 +268,7 @@ class DeepSpeedEngine(Engine):
     def get_global_grad_norm(self) -> float | None:
         """The gradient norm of the last update, before clipping, where DeepSpeed keeps one
         (ZeRO stages 1 and 2); None at stage 0, as in DeepSpeed."""
-        return getattr(self.strategy, "last_norm", None)
+        return self.strategy.last_norm
 
     def get_lr(self) -> list[float]:
         return [group["lr"] for group in self.optimizer.param_groups]
@@ -265,7 +281,7 @@ class DeepSpeedEngine(Engine):
         """Release what the engine attached to the model, as DeepSpeed's ``engine.destroy()``:
         at ZeRO-1 the attributes that expose sharded gradients (at stage 0 nothing is attached).
         The module keeps its trained weights and can be used without the engine."""
-        self._strategy_hook("destroy")
+        self.strategy.destroy()
 
     # -- checkpoints (lesson 08): DeepSpeed's two methods, with its signatures, written in
     # gas_lab/deepspeed_compat/checkpoint.py (the engine is their first argument).

@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import math
 import types
+from typing import Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -27,8 +28,28 @@ import torch.distributed as dist
 from gas_lab.deepspeed_compat import buckets, precision
 from gas_lab.deepspeed_compat.norms import clip_by_float_norm, replicated_grad_norm
 from gas_lab.deepspeed_compat.zero import Zero1, Zero2
-from gas_lab.engine import AllReduce
+from gas_lab.engine import AllReduce, Strategy
 from gas_lab.zero1 import REDUCE_MODES
+
+
+@runtime_checkable
+class DeepSpeedStrategy(Strategy, Protocol):
+    """Everything :class:`~gas_lab.deepspeed_compat.engine.DeepSpeedEngine` calls on its
+    strategy: the floor's three (:class:`gas_lab.engine.Strategy`) and these. Every stage's
+    strategy here has them all (:class:`AllReduceUpdate`, :class:`~.zero.Zero1`,
+    :class:`~.zero.Zero2`), a no-op where its stage has nothing to do."""
+
+    last_norm: float | None  # the last update's gradient norm; None where DeepSpeed keeps none
+
+    def before_backward(self) -> None:
+        """A backward pass starts (ZeRO-1, bf16 with fp32 accumulation: a fresh ``.grad``)."""
+
+    def defer_reduction(self, deferred: bool) -> None:
+        """``coalesce_grad_reduction()``: while True, keep gradients local (ZeRO-2 would
+        reduce them inside ``backward()``)."""
+
+    def destroy(self) -> None:
+        """``engine.destroy()``: take off what the strategy attached to the parameters."""
 
 
 class AllReduceUpdate(AllReduce):
@@ -41,6 +62,17 @@ class AllReduceUpdate(AllReduce):
     fp32 masters, and an update whose gradient norm is not finite is skipped: DeepSpeed's
     ``FP16_UnfusedOptimizer``.
     """
+
+    last_norm = None  # DeepSpeed's stage 0 keeps no global gradient norm
+
+    def before_backward(self) -> None:
+        """Nothing: ``.grad`` accumulates in the model's dtype at stage 0."""
+
+    def defer_reduction(self, deferred: bool) -> None:
+        """Nothing: stage 0 reduces at the boundary only (and refuses coalescing)."""
+
+    def destroy(self) -> None:
+        """Nothing: stage 0 attaches nothing to the parameters."""
 
     def __init__(
         self,
@@ -163,20 +195,12 @@ def strategy_for(stage: int, reduce: str | None = None):
 def expose_full_gradients(strategy: Zero1) -> None:
     """Give each parameter the two attributes ``deepspeed.utils.safe_get_full_grad(param)``
     looks for, so code that reads gradients the DeepSpeed way reads gas_lab's ZeRO-1 too;
-    ``strategy.destroy()`` (``engine.destroy()``) takes them off again."""
+    :meth:`~.zero.Zero1.destroy` (``engine.destroy()``) takes them off again."""
     for g in strategy.groups:
         # params and offsets in the flat vector's order (round_robin_gradients reorders)
         for p, offset in zip(g.params, g.layout.offsets, strict=True):
             p._hp_mapping = (strategy.group, g, offset)
             p.get_full_hp_grad = types.MethodType(full_gradient, p)
-
-    def destroy() -> None:
-        for p in (p for g in strategy.groups for p in g.params):
-            for name in ("_hp_mapping", "get_full_hp_grad"):
-                if name in vars(p):
-                    delattr(p, name)
-
-    strategy.destroy = destroy
 
 
 def full_gradient(param: torch.nn.Parameter) -> torch.Tensor:

@@ -13,15 +13,13 @@ what only matching DeepSpeed needs.
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 import torch.distributed as dist
 
 from gas_lab.deepspeed_compat import buckets
 from gas_lab.deepspeed_compat.norms import clip_by_reciprocal
 from gas_lab.dp import clip_by_norm, global_norm
-from gas_lab.zero1 import ShardedUpdate, _FlatGroup, gather_weights
+from gas_lab.zero1 import ShardedUpdate, _FlatGroup, gather_weights, renamed_collective
 from gas_lab.zero2 import PartitionedGradientUpdate
 
 
@@ -36,6 +34,17 @@ class DeepSpeedUpdate:
     def __init__(self, *args, average: bool = True, **kwargs):
         super().__init__(*args, **kwargs)
         self.average = average  # False: "gradient_allreduce_op": "sum", no division by W
+
+    # What DeepSpeedEngine calls besides the floor's three (strategies.DeepSpeedStrategy):
+    # nothing to do, unless a stage says otherwise below.
+    def before_backward(self) -> None:
+        """A backward pass starts."""
+
+    def defer_reduction(self, deferred: bool) -> None:
+        """Inside ``coalesce_grad_reduction()`` while True."""
+
+    def destroy(self) -> None:
+        """``engine.destroy()``."""
 
     def update(self) -> bool:
         shards = self.gradient_shards()
@@ -87,6 +96,13 @@ class Zero1(DeepSpeedUpdate, ShardedUpdate):
         if self.buffers is not None:
             self.buffers.before_backward()
 
+    def destroy(self) -> None:
+        """Take off what ``strategies.expose_full_gradients`` attached to the parameters."""
+        for p in (p for g in self.groups for p in g.params):
+            for name in ("_hp_mapping", "get_full_hp_grad"):
+                if name in vars(p):
+                    delattr(p, name)
+
     def after_backward(self) -> None:
         if self.buffers is not None:
             self.buffers.after_backward()
@@ -120,8 +136,7 @@ class Zero1(DeepSpeedUpdate, ShardedUpdate):
             return local[g.start : g.end]
         comm = self.comm_dtype or local.dtype
         shard = torch.empty(g.layout.shard_size, dtype=comm, device=g.flat.device)
-        with warnings.catch_warnings():  # torch 2.13 renamed it; the name works >= 2.4
-            warnings.simplefilter("ignore", FutureWarning)
+        with renamed_collective():
             dist.reduce_scatter_tensor(shard, local.to(comm), group=self.group)
         if self.average:
             shard.div_(self.world_size)

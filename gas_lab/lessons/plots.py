@@ -20,12 +20,12 @@ from matplotlib.figure import Figure
 #: Where an exact zero is drawn on a log axis.
 FLOOR = 1e-9
 
-#: One colour per normalization, so every lesson draws them the same way.
+#: One colour per reduction (and the forgotten / N), so every lesson draws them the same way.
 COLOURS = {
-    "mean_of_means": "crimson",
-    "per_sample": "darkorange",
-    "per_token": "seagreen",
-    "sum_of_means": "purple",
+    "microbatch-mean": "crimson",
+    "sequence": "darkorange",
+    "token": "seagreen",
+    "microbatch-mean-sum": "purple",
 }
 
 
@@ -77,7 +77,7 @@ def plot_errors(
 def plot_error_vs_n(
     ns: Sequence[int], errors: Mapping[str, Sequence[float]], **kwargs: object
 ) -> Figure:
-    """Error of each normalization against the reference, as the number N of micro-batches grows."""
+    """Error of each reduction against the reference, as the number N of micro-batches grows."""
     return plot_errors(ns, errors, "N (micro-batches per step)", **kwargs)  # type: ignore[arg-type]
 
 

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from gas_lab.accumulate import Batch, Window, normalized_loss, token_loss
+from gas_lab.accumulate import Batch, Window, normalized_loss, token_losses
 from gas_lab.deepspeed_compat.config import load_config
 from gas_lab.dp import global_count
 from gas_lab.toys import TinyTransformer, flat_params
@@ -74,11 +74,11 @@ def to_device(mb: Batch, device) -> Batch:
 
 # ---------------------------------------------------------------- the loss scaling
 #: How a micro-batch loss is scaled: the right way, and the two classic wrong ones.
-SCALINGS = ("global_tokens", "mean_of_means", "local_tokens", "global_tokens_sum")
+SCALINGS = ("global_tokens", "microbatch-mean", "local_tokens", "global_tokens_sum")
 #: Each pitfall of the capstone as (scaling, scale_wrt_gas); "none" is the correct loop.
 PITFALLS = {
     "none": ("global_tokens", False),
-    "mean_of_means": ("mean_of_means", False),
+    "microbatch-mean": ("microbatch-mean", False),
     "scale_wrt_gas": ("global_tokens", True),
     "local_tokens": ("local_tokens", False),
 }
@@ -108,14 +108,14 @@ def micro_batch_loss(token_losses: Tensor, mask: Tensor, scaling: str, counts: S
     if scaling == "global_tokens":
         every_token = Window(counts.local.n_micro, counts.local.n_samples, counts.global_tokens)
         # x W: DeepSpeed divides the summed gradient by W; the step must be sum / T, not / (T*W).
-        return normalized_loss(token_losses, mask, "per_token", every_token) * counts.world_size
+        return normalized_loss(token_losses, mask, "token", every_token) * counts.world_size
     if scaling == "global_tokens_sum":  # "gradient_allreduce_op": "sum": nothing to undo
         every_token = Window(counts.local.n_micro, counts.local.n_samples, counts.global_tokens)
-        return normalized_loss(token_losses, mask, "per_token", every_token)
-    if scaling == "mean_of_means":  # each micro-batch's own mean / this rank's count of them
-        return normalized_loss(token_losses, mask, "mean_of_means", counts.local)
+        return normalized_loss(token_losses, mask, "token", every_token)
+    if scaling == "microbatch-mean":  # each micro-batch's own mean / this rank's count of them
+        return normalized_loss(token_losses, mask, "microbatch-mean", counts.local)
     if scaling == "local_tokens":  # right on one rank; the ranks' means then weigh the same
-        return normalized_loss(token_losses, mask, "per_token", counts.local)
+        return normalized_loss(token_losses, mask, "token", counts.local)
     raise ValueError(f"unknown scaling {scaling!r}; choose from {SCALINGS}")
 
 
@@ -166,7 +166,7 @@ class RolloutRun:
         summed = 0.0  # this rank's loss sum, for the metrics
         for mb in micro:
             mb = to_device(mb, self.device)
-            losses = token_loss(self.engine, mb)
+            losses = token_losses(self.engine, mb)
             loss = micro_batch_loss(losses, mb.mask, self.scaling, counts)
             self.engine.backward(loss, scale_wrt_gas=self.scale_wrt_gas)
             summed += (losses.detach() * mb.mask).sum().double()
@@ -213,7 +213,7 @@ def reference_run(config: dict, steps: int, world_size: int, seed=0, spec=SPEC) 
     for step in range(steps):
         micro = [mb for r in range(world_size) for mb in rollouts(step, r, seed, spec, n_micro)]
         big = Batch(*(torch.cat([getattr(m, k) for m in micro]) for k in ("x", "y", "mask")))
-        loss = normalized_loss(token_loss(model, big), big.mask, "per_token", Window.of([big]))
+        loss = normalized_loss(token_losses(model, big), big.mask, "token", Window.of([big]))
         loss.backward()
         clip = cfg.gradient_clipping if cfg.gradient_clipping > 0 else float("inf")
         out["grad_norms"].append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item())
@@ -287,7 +287,7 @@ def record_step(
 
 # ---------------------------------------------------------------- figures of lesson 07
 #: One colour per run of lesson 07, the right one green.
-COLOURS = {"none": "seagreen", "mean_of_means": "crimson", "scale_wrt_gas": "purple",
+COLOURS = {"none": "seagreen", "microbatch-mean": "crimson", "scale_wrt_gas": "purple",
            "local_tokens": "darkorange"}  # fmt: skip
 
 

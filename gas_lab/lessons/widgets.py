@@ -17,14 +17,14 @@ import ipywidgets as w
 import torch
 
 from gas_lab.accumulate import (
-    NORMALIZATIONS,
+    REDUCTIONS,
     GradDiff,
     accumulate_gradients,
     compare_grads,
     even_sizes,
     full_batch_gradient,
     split_batch,
-    token_loss,
+    token_losses,
 )
 from gas_lab.lessons.plots import StillPicture, svg
 from gas_lab.toys import TinySeqModel, sequence_batch, spread_lengths
@@ -44,7 +44,7 @@ def _one_thread() -> Iterator[None]:
 
 # ---------------------------------------------------------------- lesson 01: the compute
 def error_vs_reference(
-    normalization: str,
+    reduction: str,
     n_micro: int,
     spread: float,
     batch_size: int = 24,
@@ -58,30 +58,29 @@ def error_vs_reference(
     not divide ``batch_size`` also gives a ragged split.
     """
     batch = sequence_batch(spread_lengths(batch_size, max_len, spread), max_len, seed)
-    ref = full_batch_gradient(TinySeqModel(seed), batch, token_loss, "per_token")
+    ref = full_batch_gradient(TinySeqModel(seed), batch, token_losses, "token")
     micro = split_batch(batch, even_sizes(batch_size, n_micro))
-    got = accumulate_gradients(TinySeqModel(seed), micro, token_loss, normalization)
+    got = accumulate_gradients(TinySeqModel(seed), micro, token_losses, reduction)
     return compare_grads(got, ref)
 
 
 def explorer_errors(
-    spread: float, ns: Sequence[int], normalizations: Sequence[str] = NORMALIZATIONS
+    spread: float, ns: Sequence[int], reductions: Sequence[str] = REDUCTIONS
 ) -> dict[str, list[float]]:
-    """Max relative error against the per-token reference, per normalization, for each N."""
+    """Max relative error against the per-token reference, per reduction, for each N."""
     with _one_thread():
         return {
-            norm: [error_vs_reference(norm, n, spread).max_rel for n in ns]
-            for norm in normalizations
+            norm: [error_vs_reference(norm, n, spread).max_rel for n in ns] for norm in reductions
         }
 
 
 # ---------------------------------------------------------------- lesson 01: the widget
-# Wide enough for the longest description ("normalization"): ipywidgets' default cuts it.
+# Wide enough for the longest description ("reduction"): ipywidgets' default cuts it.
 _STYLE = {"description_width": "8.5em"}
 
 
 class AccumulationExplorer(StillPicture, w.VBox):
-    """The explorer's box: (N slider, spread slider, normalization menu, label, plot).
+    """The explorer's box: (N slider, spread slider, reduction menu, label, plot).
 
     ``errors_for(spread)`` is cached per spread; ``computed`` counts the spreads computed, so
     a test can tell a redraw from a recomputation.
@@ -98,9 +97,9 @@ class AccumulationExplorer(StillPicture, w.VBox):
             value=0.5, min=0.0, max=1.0, step=0.05, description="length spread", style=_STYLE
         )
         self.norm = w.Dropdown(
-            options=list(NORMALIZATIONS),
-            value="mean_of_means",
-            description="normalization",
+            options=list(REDUCTIONS),
+            value="microbatch-mean",
+            description="reduction",
             style=_STYLE,
         )
         self.label, self.out = w.Label(), w.Output()
@@ -160,7 +159,7 @@ class AccumulationExplorer(StillPicture, w.VBox):
 
 
 def accumulation_explorer(n_max: int = 8) -> AccumulationExplorer:
-    """Sliders for N and length spread, a normalization menu, and a live error plot.
+    """Sliders for N and length spread, a reduction menu, and a live error plot.
 
     Returns the widget box; its ``.children`` are (N slider, spread slider, dropdown, label,
     output), so a test can set values and read the label.

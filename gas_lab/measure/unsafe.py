@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from gas_lab.deepspeed_compat.config import load_config
 from gas_lab.deepspeed_compat.engine import DeepSpeedEngine
-from gas_lab.deepspeed_compat.strategies import strategy_for
+from gas_lab.deepspeed_compat.strategies import DeepSpeedStrategy, strategy_for
 from gas_lab.dp import default_group
 from gas_lab.rules import refusals
 
@@ -57,29 +57,42 @@ def _with_scope(skip: set[str]) -> set[str]:
 
 
 class GatedReduction:
-    """Wraps the engine's update strategy: decides whether a reduction really happens."""
+    """Wraps the engine's update strategy (a :class:`DeepSpeedStrategy`): decides whether a
+    reduction really happens, and hands every other call to the strategy it wraps."""
 
-    def __init__(self, inner, engine: UnsafeEngine):
+    def __init__(self, inner: DeepSpeedStrategy, engine: UnsafeEngine):
         self.inner, self.engine = inner, engine
         self.optimizer = inner.optimizer
         self.done = self.skipped = 0  # reductions run / reductions a feature swallowed
-
-    def after_backward(self) -> None:
-        self.inner.after_backward()
 
     def reduce_gradients(self) -> None:
         e = self.engine
         if e.inside_step:  # unmanaged step(): DeepSpeed reduces only at a boundary, outside
             # no_sync(), and not at all when a feature owns the reduction inside backward()
-            wanted = e.is_gradient_accumulation_boundary() and not e.inside_no_sync_ctxt
-            if not wanted or e.reduces_in_backward_only:
+            if not e.reduces_now() or e.reduces_in_backward_only:
                 self.skipped += 1
                 return
         self.done += 1
         self.inner.reduce_gradients()
 
+    def after_backward(self) -> None:
+        self.inner.after_backward()
+
     def update(self) -> bool:
         return self.inner.update()
+
+    @property
+    def last_norm(self) -> float | None:
+        return self.inner.last_norm
+
+    def before_backward(self) -> None:
+        self.inner.before_backward()
+
+    def defer_reduction(self, deferred: bool) -> None:
+        self.inner.defer_reduction(deferred)
+
+    def destroy(self) -> None:
+        self.inner.destroy()
 
 
 class UnsafeEngine(DeepSpeedEngine):

@@ -322,7 +322,7 @@ class Call:
             kind = "error" if f.exception() is not None else f.get()[0]
             (unsendable if kind == "unsendable" else errors)[r] = error_text(f)
         stalled = [r for r, f in ranked if not f.ready() and r not in self.died]
-        fresh, self.cluster.fresh = self.cluster.fresh, False  # said once, by this call
+        anew, self.cluster.started_anew = self.cluster.started_anew, False  # said once, here
         if self.alone and not (self.died or errors or unsendable):
             others = [r for r in self.cluster.ranks if r not in self.ranks]
             self.cluster.restart()  # blocked in C++: nothing but a restart stops it
@@ -340,7 +340,7 @@ class Call:
                 unsendable=unsendable,
                 crash={r: t for r, t in crash.items() if t},
                 what=self.what,
-                fresh=fresh,
+                started_anew=anew,
                 ranks=self.ranks,
             )
         if stalled:

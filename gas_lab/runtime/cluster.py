@@ -99,7 +99,7 @@ class Cluster(RankWatch):
         self._set_up = False  # the ranks ran setup_rank: they can be sampled
         self.startup_seconds = 0.0
         self.stopped_by_user = False
-        self.fresh = False  # started anew by a call: its error says earlier variables are gone
+        self.started_anew = False  # by a call: its error says earlier variables are gone
         self.last_error = None  # the last failed call's error; str() is its full report
         self.built: dict[str, float] = {}  # C++ ops the ranks built (seconds): once per environment
 
@@ -328,7 +328,7 @@ class Cluster(RankWatch):
             "ranks by earlier cells are gone: re-run the cells that defined them."
         )
         self.restart()
-        self.fresh = True
+        self.started_anew = True
 
 
 _current: Cluster | None = None

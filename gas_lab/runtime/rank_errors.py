@@ -105,12 +105,12 @@ class RankError(RuntimeError):
         unsendable: dict[int, str] | None = None,
         crash: dict[int, str] | None = None,
         what: str = "the call",
-        fresh: bool = False,
+        started_anew: bool = False,
         ranks: list[int] | None = None,
     ):
         self.errors, self.stalled, self.restarted = errors, stalled, restarted
         self.died, self.unsendable = died or {}, unsendable or {}
-        self.crash, self.what, self.fresh = crash or {}, what, fresh
+        self.crash, self.what, self.started_anew = crash or {}, what, started_anew
         self.ranks = ranks or sorted({*errors, *stalled, *self.died, *self.unsendable})
         lines = [f"rank {r} died ({how}) while running {what}." for r, how in self.died.items()]
         for r, msg in self.unsendable.items():
@@ -129,7 +129,7 @@ class RankError(RuntimeError):
             )
         if restarted:
             lines.append(RESTARTED)
-        if fresh:
+        if started_anew:
             lines.append(
                 "Note: the ranks had been started anew for this call, so variables defined on "
                 "them by earlier cells are gone: re-run those cells first."
@@ -164,7 +164,7 @@ class RankError(RuntimeError):
             did += "; the ranks were restarted, variables on the ranks are lost"
         else:
             did += "; the ranks keep their variables"
-        if self.fresh:
+        if self.started_anew:
             did += " (the ranks were new for this call: re-run the cells that define them)"
         return [*own, "", f"{did}. {FULL_REPORT}"]
 

@@ -1,6 +1,6 @@
 """Checkers for lesson 01's exercises (accumulation on one device).
 
-1. :func:`check_per_token_stream`: per-token normalization when the window's token count is
+1. :func:`check_token_mean_stream`: the per-token mean (reduction ``"token"``) when the window's token count is
    known only *after* the last micro-batch (a loader that streams micro-batches and frees each
    one). The lesson counted the tokens first; here that is impossible.
 2. :func:`check_clipped_step`: a bug hunt. :func:`buggy_clipped_step` has two bugs; the checker
@@ -21,7 +21,7 @@ from gas_lab.accumulate import (
     grads_of,
     mse_loss,
     split_batch,
-    token_loss,
+    token_losses,
 )
 from gas_lab.lessons.exercises.verdict import Miss, Verdict, check_cases
 from gas_lab.lessons.exercises.verdict import hint as hint  # lessonNN.hint()
@@ -63,13 +63,13 @@ def _stream_case(fn: Callable, lengths: list[int], sizes: list[int]) -> Callable
         last.register_post_accumulate_grad_hook(
             lambda p: backwards.__setitem__(0, backwards[0] + 1)
         )
-        fn(model, _stream(micro, backwards), token_loss)
+        fn(model, _stream(micro, backwards), token_losses)
         return {
             "got": grads_of(model),
             "micro": micro,
             "tokens": batch.n_tokens,
             "positions": batch.mask.numel(),
-            "ref": full_batch_gradient(TinySeqModel(seed=2), batch, token_loss, "per_token"),
+            "ref": full_batch_gradient(TinySeqModel(seed=2), batch, token_losses, "token"),
         }
 
     return run
@@ -80,7 +80,7 @@ def _running_count(micro) -> dict:
     model, seen = TinySeqModel(seed=2), 0
     for mb in micro:
         seen += mb.n_tokens
-        ((token_loss(model, mb) * mb.mask).sum() / seen).backward()
+        ((token_losses(model, mb) * mb.mask).sum() / seen).backward()
     return grads_of(model)
 
 
@@ -114,15 +114,15 @@ def _judge_stream(r: dict) -> Miss | None:
             "backward() the SUMMED token loss, and divide once, by the final count, after the "
             "last backward().",
         )
-    mean_of_means = accumulate_gradients(TinySeqModel(seed=2), r["micro"], token_loss)
-    if compare_grads(got, mean_of_means).max_rel < TOL:
+    microbatch_mean = accumulate_gradients(TinySeqModel(seed=2), r["micro"], token_losses)
+    if compare_grads(got, microbatch_mean).max_rel < TOL:
         return Miss(
             f"this is mean of means (each micro-batch divided by its own tokens and N); {off}."
         )
     return Miss(f"the gradient differs from the window's per-token gradient: {err}.")
 
 
-def check_per_token_stream(fn: Callable) -> Verdict:
+def check_token_mean_stream(fn: Callable) -> Verdict:
     """Exercise 1: ``fn(model, stream, loss_fn)`` leaves the window's per-token gradient in
     ``.grad``; ``stream`` yields masked micro-batches one at a time, no looking ahead."""
     cases = [
@@ -162,14 +162,14 @@ def buggy_clipped_step(model, optimizer, micro_batches, loss_fn, max_norm):
     optimizer.step()
 
 
-def _variant(clip_inside: bool, per_sample: bool, clip: bool = True) -> Callable:
+def _variant(clip_inside: bool, reduction: str, clip: bool = True) -> Callable:
     """The given loop with each of its bugs kept or fixed (and clipping kept or dropped)."""
 
     def step(model, optimizer, micro_batches, loss_fn, max_norm):
         optimizer.zero_grad()
         total = sum(len(mb) for mb in micro_batches)
         for mb in micro_batches:
-            weight = len(mb) / total if per_sample else 1 / len(micro_batches)
+            weight = len(mb) / total if reduction == "sequence" else 1 / len(micro_batches)
             (loss_fn(model, mb).mean() * weight).backward()
             if clip and clip_inside:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
@@ -180,11 +180,11 @@ def _variant(clip_inside: bool, per_sample: bool, clip: bool = True) -> Callable
     return step
 
 
-_REFERENCE = _variant(clip_inside=False, per_sample=True)
+_REFERENCE = _variant(clip_inside=False, reduction="sequence")
 _MISTAKES = {  # the given loop keeps both; the first case that fails names the one left
-    "clip inside": _variant(clip_inside=True, per_sample=True),
-    "mean of means": _variant(clip_inside=False, per_sample=False),
-    "no clipping": _variant(clip_inside=False, per_sample=True, clip=False),
+    "clip inside": _variant(clip_inside=True, reduction="sequence"),
+    "mean of means": _variant(clip_inside=False, reduction="microbatch-mean"),
+    "no clipping": _variant(clip_inside=False, reduction="sequence", clip=False),
 }
 STEPS, LR = 3, 0.1
 

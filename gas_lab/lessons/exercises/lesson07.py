@@ -23,7 +23,7 @@ from gas_lab.accumulate import (
     compare_grads,
     full_batch_gradient,
     grads_of,
-    token_loss,
+    token_losses,
 )
 from gas_lab.dp import global_count
 from gas_lab.lessons.exercises.on_ranks import run_on_ranks
@@ -51,7 +51,7 @@ def _rank_averaged_gradient(per_rank: list[list[Batch]], loss_of: Callable) -> d
     for mbs in per_rank:
         model, rank_sequences = TinyTransformer(3), Window.of(mbs).n_samples
         for mb in mbs:
-            loss = loss_of(token_loss(model, mb), mb.mask, rank_sequences, *counts.values())
+            loss = loss_of(token_losses(model, mb), mb.mask, rank_sequences, *counts.values())
             if not (torch.is_tensor(loss) and loss.requires_grad):
                 raise TypeError("the loss carries no gradient: return a tensor, not .item()")
             loss.backward()
@@ -64,7 +64,7 @@ def _sequence_means(tl, mask):
 
 
 # The wrong answers the judge recognises, in the exercise's signature.
-def _per_token(tl, m, rank_sequences, all_sequences, all_tokens, world_size):
+def _token_mean(tl, m, rank_sequences, all_sequences, all_tokens, world_size):
     return (tl * m).sum() / all_tokens * world_size
 
 
@@ -77,7 +77,7 @@ def _micro_batch_mean(tl, m, rank_sequences, all_sequences, all_tokens, world_si
 
 
 _MISTAKES = {
-    "per-token": _per_token,
+    "per-token": _token_mean,
     "own sequences": _own_sequences,
     "micro-batch mean": _micro_batch_mean,
 }
@@ -90,7 +90,7 @@ def _sequence_case(fn: Callable, world_size: int, step: int) -> Callable[[], dic
         big = Batch(*(torch.cat([getattr(m, k) for m in every]) for k in ("x", "y", "mask")))
         return {
             "got": _rank_averaged_gradient(per_rank, fn),
-            "ref": full_batch_gradient(TinyTransformer(3), big, token_loss, "per_sample"),
+            "ref": full_batch_gradient(TinyTransformer(3), big, token_losses, "sequence"),
             "per_rank": per_rank,
         }
 
@@ -171,7 +171,7 @@ class CachedCountTrainer:
         if self.tokens is None:  # one all-reduce, not one per micro-batch
             self.tokens = global_count(sum(int(mb.mask.sum()) for mb in micro_batches))
         for mb in micro_batches:
-            loss = (token_loss(self.engine, mb) * mb.mask).sum() / self.tokens * self.world
+            loss = (token_losses(self.engine, mb) * mb.mask).sum() / self.tokens * self.world
             self.engine.backward(loss, scale_wrt_gas=False)
         self.engine.step()
 

@@ -22,7 +22,7 @@ from collections.abc import Callable
 import torch
 
 from gas_lab.accumulate import Batch, Window, compare_grads, full_batch_gradient, grads_of
-from gas_lab.accumulate import token_loss as _token_loss
+from gas_lab.accumulate import token_losses as _token_losses
 from gas_lab.lessons.exercises.verdict import Miss, Verdict, check_cases
 from gas_lab.lessons.exercises.verdict import hint as hint  # lessonNN.hint()
 from gas_lab.lessons.rollouts import rollouts
@@ -40,7 +40,7 @@ def summed_gradient(per_rank: list[list[Batch]], loss_of: Callable, gas: int) ->
     for mbs in per_rank:
         model, mine = TinyTransformer(3), Window.of(mbs).n_tokens
         for mb in mbs:
-            loss = loss_of(_token_loss(model, mb), mb.mask, mine, total, len(per_rank), gas)
+            loss = loss_of(_token_losses(model, mb), mb.mask, mine, total, len(per_rank), gas)
             if not (torch.is_tensor(loss) and loss.requires_grad):
                 raise TypeError("the loss carries no gradient: return a tensor, not .item()")
             (loss / gas).backward()
@@ -51,7 +51,7 @@ def summed_gradient(per_rank: list[list[Batch]], loss_of: Callable, gas: int) ->
 def _big_batch(per_rank: list[list[Batch]]) -> dict:
     every = [mb for mbs in per_rank for mb in mbs]
     big = Batch(*(torch.cat([getattr(m, k) for m in every]) for k in ("x", "y", "mask")))
-    return full_batch_gradient(TinyTransformer(3), big, _token_loss, "per_token")
+    return full_batch_gradient(TinyTransformer(3), big, _token_losses, "token")
 
 
 def _judge_sum(result) -> Miss | None:
