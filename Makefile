@@ -1,4 +1,4 @@
-# Two commands on a fresh machine with Python 3.11 and pip:  `make lab`  and  `make test`.
+# Two commands on a fresh machine with Python 3.11-3.13 and pip:  `make lab`  and  `make test`.
 # Both create .venv when it is missing and (re)install when pyproject.toml or constraints.txt
 # changed; nothing else needs to be installed by hand.
 
@@ -36,7 +36,8 @@ ops: $(STAMP)  ## DeepSpeed's C++ ops, built once for this environment
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	# constraints.txt pins the CPU build of torch here, so no multi-GB CUDA wheel is pulled.
+	# constraints.txt pins torch 2.13.0; the course machines hold its CPU build, so no multi-GB
+	# CUDA wheel is pulled (elsewhere, README: what a Linux laptop downloads).
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev,docs]'
 	touch $(STAMP)
 
