@@ -5,7 +5,7 @@
 * :mod:`~gas_lab.runtime.calls`: one call on the ranks: bounded waits, interrupts, the outcome.
 * :mod:`~gas_lab.runtime.rank_errors`: the errors a failed, stalled or interrupted call raises.
 * :mod:`~gas_lab.runtime.rank_state`, :mod:`~gas_lab.runtime.watch`: what an unfinished rank is
-  doing (in a collective, or busy), which rank died and how.
+  doing (in a collective, or busy); ``cluster.watch``: which rank died and how.
 * :mod:`~gas_lab.runtime.streaming`, :mod:`~gas_lab.runtime.values`: rank output in the cell
   while the ranks run; each rank's value of a ``%%ranks`` cell, shown like ``Out``.
 * :mod:`~gas_lab.runtime.status`: ``cluster.status()``, ``%ranks_status``: what each rank is.

@@ -122,7 +122,7 @@ class Call:
             op = os.path.basename(os.path.dirname(held[0]))
             log = os.path.join(os.path.dirname(held[0]), "gas_lab_build.log")
             self.build = b = {"op": op, "log": log, "lock": held[0], "t0": time.monotonic()}
-            b["shown"], b["since"] = 0, self.cluster.process_output()
+            b["shown"], b["since"] = 0, self.cluster.watch.process_output()
             b["file"] = self.out.divert = open(log, "w")
             b["file"].write(f"gas_lab: DeepSpeed's C++ op {op}, built in {os.path.dirname(log)}\n")
             b["file"].write("--- what the ranks printed during the build ---\n")
@@ -194,19 +194,19 @@ class Call:
             self.out.pump(self.futures)
             now = time.monotonic()
             if now >= next_look:
-                self.died.update(self.cluster.dead_ranks())
+                self.died.update(self.cluster.watch.dead_ranks())
                 self._watch_build()
                 next_look = now + 0.25
             if first_bad is None and (self.died or any(map(_failed, self.futures))):
                 first_bad = now
             if first_bad is not None and now - first_bad > ERROR_GRACE:
                 return
-            if partial and now >= next_alone and self.cluster._set_up:
+            if partial and now >= next_alone and self.cluster.watch.set_up:
                 if self._alone_in_collective(seen):
                     return
                 next_alone = time.monotonic() + ALONE_EVERY
             if now > deadline:
-                self.states = self.cluster.sample(self.unfinished())
+                self.states = self.cluster.watch.sample(self.unfinished())
                 starting = {r: s for r, s in self.states.items() if s.starting_up}
                 if now - start > STARTUP_LIMIT:
                     return
@@ -238,7 +238,7 @@ class Call:
         """Whether a chosen rank waits in a collective: seen twice in the same place, so that a
         rank caught passing through (``dist.get_rank()`` lives beside the collectives) is not
         taken for one that waits."""
-        for r, state in self.cluster.sample(self.unfinished()).items():
+        for r, state in self.cluster.watch.sample(self.unfinished()).items():
             if state.kind != "collective" or _QUERIES & {fn for _, _, fn in state.frames}:
                 seen.pop(r, None)
             elif seen.get(r) == state.frames:
@@ -253,7 +253,7 @@ class Call:
     def _stop_work(self, ranks: list[int]) -> str | None:
         """Interrupt ``ranks`` and wait for their work to stop. None if it stopped with the
         process group still in step; otherwise why the ranks had to be restarted."""
-        self.states = states = self.states or self.cluster.sample(ranks)
+        self.states = states = self.states or self.cluster.watch.sample(ranks)
         stuck = {r: s for r, s in states.items() if r in ranks and s.kind == "collective"}
         if not stuck:
             for r in ranks:
@@ -271,14 +271,14 @@ class Call:
             self._close_output()
             left = self.unfinished()
             if not left:
-                counts = self.cluster.collective_counts()
+                counts = self.cluster.watch.collective_counts()
                 if counts is not None and len(set(counts)) == 1:
                     return None
                 return (
                     f"the ranks had issued different numbers of collectives ({counts}), so "
                     "their process group was out of step"
                 )
-            stuck = self.cluster.sample(left)
+            stuck = self.cluster.watch.sample(left)
             self.states.update(stuck)
         return "; ".join(
             f"rank {r} was {s.text} and cannot be stopped there" for r, s in stuck.items()
@@ -314,7 +314,7 @@ class Call:
     def _outcome(self) -> list:
         __tracebackhide__ = True
         ranked = list(zip(self.ranks, self.futures, strict=True))
-        self.died.update(self.cluster.dead_ranks())
+        self.died.update(self.cluster.watch.dead_ranks())
         errors, unsendable = {}, {}
         for r, f in ranked:
             if not _failed(f) or r in self.died:
@@ -329,7 +329,7 @@ class Call:
             raise LoneCollectiveError(self.alone, self.ranks, others)
         if self.died or errors or unsendable:
             restarted = bool(self.died or stalled) and self.restart
-            crash = {r: self.cluster.crash_report(r) for r in self.died}
+            crash = {r: self.cluster.watch.crash_report(r) for r in self.died}
             if restarted:
                 self.cluster.restart()
             raise RankError(
@@ -344,7 +344,7 @@ class Call:
                 ranks=self.ranks,
             )
         if stalled:
-            states = self.states or self.cluster.sample(stalled)
+            states = self.states or self.cluster.watch.sample(stalled)
             finished = [r for r in self.ranks if r not in stalled]
             if not self.restart:  # at start-up: the caller stops the ranks
                 raise RankStallError(stalled, finished, self.timeout, states, restarted=None)

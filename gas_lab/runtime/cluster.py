@@ -50,7 +50,7 @@ from gas_lab.runtime.sending import ship_module_by_value, source_of
 from gas_lab.runtime.status import name_others, ranks_status, stop_others_ranks
 from gas_lab.runtime.streaming import DEEPSPEED_NOISE
 from gas_lab.runtime.values import show_values
-from gas_lab.runtime.watch import RankWatch
+from gas_lab.runtime.watch import RankWatch, engine_launchers
 
 DEFAULT_TIMEOUT = 60.0  # seconds a call may run before its unfinished ranks count as stalled
 # ipyparallel's hub admits a new engine only at a heartbeat after the engine first answered one:
@@ -86,17 +86,15 @@ def _listed(ranks: list[int]) -> str:
     return ",".join(map(str, ranks))
 
 
-class Cluster(RankWatch):
+class Cluster:
     """A set of persistent rank processes. Use :func:`start_cluster` to get one."""
 
     noise = DEEPSPEED_NOISE
 
     def __init__(self, world_size: int, backend: str, pg_timeout: float = 120.0):
         self.world_size, self.backend, self.pg_timeout = world_size, backend, pg_timeout
-        self._ipp = self._client = self._guardian = None
-        self._tmp = self.cluster_id = None
-        self.pids: list[int] = []
-        self._set_up = False  # the ranks ran setup_rank: they can be sampled
+        self._ipp = self._client = self._guardian = self._tmp = self.cluster_id = None
+        self.watch: RankWatch | None = None  # the ranks' pids, deaths, states: while they run
         self.startup_seconds = 0.0
         self.stopped_by_user = False
         self.started_anew = False  # by a call: its error says earlier variables are gone
@@ -175,10 +173,11 @@ class Cluster(RankWatch):
             self._view(r).apply_async(call_on_rank, setup_rank, (r, *args), {}) for r in self.ranks
         ]
         # The processes started (the ranks' parent, or the ranks): watched until the ranks answer.
-        self.pids = [e.pid for e in self._engine_launchers()]
+        self.watch = RankWatch(
+            self._tmp, lambda: engine_launchers(self._ipp), self._view, self.ranks
+        )
         infos = Call(self, futures, timeout=120, what="start-up", restart=False).result()
-        self.pids = [i["pid"] for i in infos]
-        self._set_up = True
+        self.watch.ranks_set_up([i["pid"] for i in infos])
         self.startup_seconds = time.perf_counter() - t0
         return self
 
@@ -201,8 +200,7 @@ class Cluster(RankWatch):
         # stop, so every process of the cluster is killed outright.
         lifetime.end_cluster(self.cluster_id, self._tmp, self.pids)
         lifetime.stop_guardian(self._guardian)
-        self._ipp = self._client = self._guardian = None
-        self.pids, self._set_up = [], False
+        self._ipp = self._client = self._guardian = self.watch = None
         if build_lock.locks():  # a rank killed while it built or loaded an op leaves its lock
             build_lock.clear_stale_locks()
 
@@ -211,8 +209,13 @@ class Cluster(RankWatch):
         return self.start()
 
     @property
+    def pids(self) -> list[int]:
+        """The rank processes' pids ([] when no ranks run)."""
+        return [] if self.watch is None else self.watch.pids
+
+    @property
     def running(self) -> bool:
-        return self._ipp is not None and self.pids != [] and not self.dead_ranks()
+        return self.watch is not None and self.pids != [] and not self.watch.dead_ranks()
 
     @property
     def ranks(self) -> list[int]:
@@ -321,7 +324,7 @@ class Cluster(RankWatch):
                     f"the ranks had been stopped from {f.read()} (start_cluster(stop_others=True))"
                 )
         else:
-            dead = "; ".join(f"rank {r} {how}" for r, how in self.dead_ranks().items())
+            dead = "; ".join(f"rank {r} {how}" for r, how in self.watch.dead_ranks().items())
             why = f"a rank had ended ({dead})"
         notice(
             f"{why}, so {self.world_size} fresh ranks are starting; variables defined on the "

@@ -73,10 +73,10 @@ def ranks_status(cluster) -> RanksStatus:
     status = RanksStatus(cluster.world_size, cluster.backend, cluster.running, others=others)
     if not status.running:
         return status
-    dead = cluster.dead_ranks()
+    dead = cluster.watch.dead_ranks()
     queued = cluster.queued()
     busy = [r for r in cluster.ranks if r not in dead and queued.get(r)]
-    states = cluster.sample(busy) if busy else {}
+    states = cluster.watch.sample(busy) if busy else {}
     for r, pid in zip(cluster.ranks, cluster.pids, strict=True):
         if r in dead:
             state = f"ended ({dead[r]})"

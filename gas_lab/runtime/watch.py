@@ -1,30 +1,54 @@
 """What the notebook can find out about its ranks from outside: which have died and how, what
 each is doing (:mod:`~gas_lab.runtime.rank_state`), where one crashed, whether their process
-group is in step. Used by :class:`~gas_lab.runtime.calls.Call` when a call goes wrong."""
+group is in step: ``cluster.watch``, a :class:`RankWatch`. Used by
+:class:`~gas_lab.runtime.calls.Call` when a call goes wrong, and by ``cluster.status()``."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 from gas_lab.runtime import lifetime, rank_state
 from gas_lab.runtime.on_rank import sequence_number
 from gas_lab.runtime.rank_errors import exit_text
 
 
-class RankWatch:
-    """Mixed into :class:`~gas_lab.runtime.cluster.Cluster`, which provides ``pids``, ``_tmp``,
-    ``_ipp``, ``_set_up``, ``ranks`` and ``_view``."""
+def engine_launchers(ipp_cluster) -> list:
+    """ipyparallel's launchers of ``ipp_cluster``'s engines (none if it is None)."""
+    if ipp_cluster is None:
+        return []
+    return [el for es in ipp_cluster.engines.values() for el in es.launchers.values()]
 
-    def _engine_launchers(self) -> list:
-        if self._ipp is None:
-            return []
-        return [el for es in self._ipp.engines.values() for el in es.launchers.values()]
+
+class RankWatch:
+    """The ranks of one start of a :class:`~gas_lab.runtime.cluster.Cluster`, watched from
+    outside: ``cluster.watch``, made by ``start()`` once the rank processes are started, and
+    dropped (None) when they end.
+
+    It is given what it reads: ``folder``, the ranks' folder (where each rank writes its stack
+    and crash report, and their parent how each rank ended); ``launchers``, a function returning
+    ipyparallel's engine launchers now; ``view``, a function from a rank to its ipyparallel view;
+    and ``ranks``. It owns ``pids`` (the processes started: the ranks' parent, or the ranks, until
+    :meth:`ranks_set_up` gives one pid per rank) and ``set_up`` (whether the ranks ran
+    ``setup_rank``: before that they cannot be sampled).
+    """
+
+    def __init__(
+        self, folder: str, launchers: Callable[[], list], view: Callable, ranks: list[int]
+    ):
+        self.folder, self.launchers, self.view, self.ranks = folder, launchers, view, ranks
+        self.pids: list[int] = [e.pid for e in launchers()]
+        self.set_up = False
+
+    def ranks_set_up(self, pids: list[int]) -> None:
+        """The ranks answered ``setup_rank``: ``pids`` are theirs, and they can be sampled."""
+        self.pids, self.set_up = pids, True
 
     def process_output(self) -> dict[str, int]:
         """The files the rank processes' own output goes to (below Python's ``print``: what a
         compiler or ninja started by a rank writes), each with its size now."""
         sizes = {}
-        for launcher in self._engine_launchers():
+        for launcher in self.launchers():
             path = getattr(launcher, "output_file", "")
             try:
                 sizes[path] = os.path.getsize(path)
@@ -48,7 +72,7 @@ class RankWatch:
         import time
 
         deadline = time.monotonic() + wait
-        launcher = next((e for e in self._engine_launchers() if e.pid == pid), None)
+        launcher = next((e for e in self.launchers() if e.pid == pid), None)
         if launcher is None:
             return self._noted_exit_code(pid, deadline)
         while time.monotonic() < deadline:
@@ -69,10 +93,10 @@ class RankWatch:
         killed first, and nobody else can know)."""
         import time
 
-        parent = next((e.pid for e in self._engine_launchers()), None)
+        parent = next((e.pid for e in self.launchers()), None)
         while True:
             try:
-                with open(os.path.join(self._tmp or "", f"exit-{pid}")) as f:
+                with open(os.path.join(self.folder, f"exit-{pid}")) as f:
                     return int(f.read())
             except (OSError, ValueError):
                 pass  # not written yet
@@ -82,17 +106,17 @@ class RankWatch:
 
     def sample(self, ranks: list[int]) -> dict:
         """What each of ``ranks`` is doing now (:func:`gas_lab.runtime.rank_state.sample`)."""
-        if not self._set_up:  # still starting: the signal is not set up
+        if not self.set_up:  # still starting: the signal is not set up
             return {r: rank_state.RankState("unknown", "still starting") for r in ranks}
         return {
-            r: rank_state.sample(self.pids[r], os.path.join(self._tmp, f"stack-{r}.txt"))
+            r: rank_state.sample(self.pids[r], os.path.join(self.folder, f"stack-{r}.txt"))
             for r in ranks
         }
 
     def crash_report(self, rank: int) -> str:
         """Where a rank that died crashed, as Python's fault handler wrote it (may be empty)."""
         try:
-            with open(os.path.join(self._tmp, f"crash-{rank}.txt")) as f:
+            with open(os.path.join(self.folder, f"crash-{rank}.txt")) as f:
                 lines = f.read().strip().splitlines()
         except OSError:
             return ""
@@ -107,7 +131,7 @@ class RankWatch:
     def collective_counts(self) -> list[int] | None:
         """Each rank's count of collectives issued on the default group (None if unknown)."""
         try:
-            futures = [self._view(r).apply_async(sequence_number) for r in self.ranks]
+            futures = [self.view(r).apply_async(sequence_number) for r in self.ranks]
             return [f.get(timeout=10) for f in futures]
         except Exception:
             return None
