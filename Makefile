@@ -27,7 +27,7 @@ $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	# constraints.txt pins the CPU build of torch here, so no multi-GB CUDA wheel is pulled.
-	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev,docs]'
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev,docs,hf]'
 	touch $(STAMP)
 
 # The course's JupyterLab settings: lab/overrides.json turns off the "official Jupyter news?"
