@@ -63,6 +63,7 @@ class Replays:
         self.world_size, self.convention = world_size, convention
         self._data: dict = {}
         self._params: dict = {}
+        self._weights: dict = {}
 
     def data(self, case: Case) -> list[Step]:
         if case.name not in self._data:
@@ -74,6 +75,14 @@ class Replays:
         if key not in self._params:
             self._params[key] = replay(self.data(case), weights, self.config, self.model)
         return self._params[key]
+
+    def weighed(self, case: Case, n: Normalization, averaged: bool) -> tuple[list, str]:
+        """A recipe's weights on the case, and their digest (kept: every stage asks again)."""
+        key = (case.name, n, averaged)
+        if key not in self._weights:
+            weights = [n.weights(s, averaged) for s in self.data(case)]
+            self._weights[key] = (weights, digest(weights))
+        return self._weights[key]
 
     def reference(self, case: Case, objective: Objective) -> torch.Tensor:
         return self.params(case, [objective.weights(s) for s in self.data(case)])
@@ -123,8 +132,8 @@ def wrong_weights(
         candidates = seen or candidates
     found = []
     for n in candidates:
-        weights = [n.weights(s, averaged) for s in data]
-        if digest(weights) == reference:
+        weights, key = replays.weighed(case, n, averaged)
+        if key == reference:
             continue  # weighs this case as the objective does: it cannot be what went wrong
         if agrees(params, replays.params(case, weights)):
             order, words = _words(n, right, named, world)
@@ -187,13 +196,17 @@ def _fixed_denominator(
     def f(c: float) -> float:
         return float((at(c) - p0) @ direction) / norm - want
 
-    xs, fs = [want, want * 1.01], [f(want), f(want * 1.01)]
-    for _ in range(4):  # secant steps; with SGD over one step f is linear and f(want) = 0
-        if abs(fs[0]) <= 1e-9 * abs(want) or fs[-1] == fs[-2]:
-            break
-        x = xs[-1] - fs[-1] * (xs[-1] - xs[-2]) / (fs[-1] - fs[-2])
-        xs.append(x)
-        fs.append(f(x))
+    if not want > 0:
+        return None
+    xs, fs = [want], [f(want)]
+    if abs(fs[0]) > 1e-7 * abs(want):  # not linear in c (several steps, Adam, clipping)
+        xs.append(want * 1.01)
+        fs.append(f(xs[-1]))
+        for _ in range(4):  # secant steps
+            if abs(fs[-1]) <= 1e-7 * abs(want) or fs[-1] == fs[-2]:
+                break
+            xs.append(xs[-1] - fs[-1] * (xs[-1] - xs[-2]) / (fs[-1] - fs[-2]))
+            fs.append(f(xs[-1]))
     c = min(zip(xs, fs, strict=True), key=lambda xf: abs(xf[1]))[0]
     if not c > 0 or not agrees(params, at(c)):
         return None
