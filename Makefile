@@ -38,7 +38,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	# constraints.txt pins torch 2.13.0; the course machines hold its CPU build, so no multi-GB
 	# CUDA wheel is pulled (elsewhere, README: what a Linux laptop downloads).
-	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev,docs]'
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev,docs,hf]'
 	touch $(STAMP)
 
 # The course's JupyterLab settings: lab/overrides.json turns off the "official Jupyter news?"

@@ -1,27 +1,29 @@
-"""The two sides of a check: the loop on the ranks, and one process replaying a normalization.
+"""The two sides of a check: the loop on the ranks, and one process replaying weights.
 
-* :func:`trial` runs on every rank: it builds the engine (DeepSpeed's or gas_lab's) for one ZeRO
-  stage, calls the learner's ``fn(engine, micro_batches)`` once per step of a case, and returns
-  the parameters and how many optimizer steps each call took.
+* :func:`trial` runs on every rank: it builds the model and the engine (DeepSpeed's or gas_lab's)
+  for one ZeRO stage, calls the learner's ``fn(engine, micro_batches)`` once per step of a case,
+  and returns the parameters, how many optimizer steps each call took, and whether the loop let
+  ``engine.backward`` divide by ``gradient_accumulation_steps``.
 * :func:`replay` runs in one process, without an engine: every micro-batch of every rank, each
-  token weighed as a :class:`~gas_lab.check.objectives.Normalization` says, averaged over the
-  ranks as the engine averages, then the config's clipping and optimizer. With the declared
-  objective it is the reference a right loop reaches; with a known mistake, what that mistake
+  target's cross-entropy weighed as given (the step's objective is ``sum(weight *
+  cross_entropy)``), then the config's clipping and optimizer. With the declared objective's
+  weights it is the reference a right loop reaches; with a known mistake's, what that mistake
   would have done.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 
 import torch
-import torch.nn.functional as F
 
-from gas_lab.check.cases import BY_NAME, VOCAB, WORLD_SIZE
-from gas_lab.check.objectives import Normalization, Step
+from gas_lab.check import models
+from gas_lab.check.cases import BY_NAME
+from gas_lab.check.objectives import Step, Weights
 from gas_lab.deepspeed_compat.config import load_config
-from gas_lab.toys import TinySeqModel, flat_params
+from gas_lab.toys import flat_params
 
 RTOL = 1e-5  # some real mistakes move a step by only 1-3 %; rounding moves it by about 1e-7
 SEED = 0
@@ -55,26 +57,31 @@ def config_for(stage: int, user: dict | None) -> dict:
     return cfg
 
 
-def model(seed: int = SEED) -> TinySeqModel:
-    """A small language model: ``model(input_ids)`` returns logits [B, T, vocabulary]."""
-    return TinySeqModel(seed, vocab=VOCAB)
-
-
-def trial(fn, case: str, stage: int, library: str, config: dict | None) -> dict:
+def trial(fn, case: str, stage: int, library: str, config: dict | None, model: str = "toy") -> dict:
     """On every rank: the learner's loop, one call per step of ``case``; the parameters after
-    the last step and the optimizer steps each call took."""
+    the last step, the optimizer steps each call took, and the ``scale_wrt_gas`` of each of its
+    ``engine.backward`` calls."""
     import torch.distributed as dist
 
     from gas_lab.measure.parity import initializer, quiet_deepspeed
 
-    rank = dist.get_rank()
-    net = model()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    net = models.build(model, SEED)
     engine, *_ = initializer(library)(
         model=net, model_parameters=net.parameters(), config=config_for(stage, config)
     )
+    scaled = []
+    backward = engine.backward
+
+    def recorded(loss, *args, **kwargs):
+        scaled.append(bool(kwargs.get("scale_wrt_gas", args[1] if len(args) > 1 else True)))
+        return backward(loss, *args, **kwargs)
+
+    engine.backward = recorded  # what the loop passes is seen; what the engine does is its own
     took = []
+    data = BY_NAME[case].data(SEED, world, models.CONVENTION[model])
     with quiet_deepspeed():
-        for step in BY_NAME[case].data(SEED):
+        for step in data:
             before = engine.global_steps
             fn(engine, [dict(mb) for mb in step.ranks[rank]])
             took.append(engine.global_steps - before)
@@ -82,35 +89,62 @@ def trial(fn, case: str, stage: int, library: str, config: dict | None) -> dict:
         import deepspeed
 
         with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
-            return {"params": flat_params(engine.module), "took": took}
-    return {"params": flat_params(engine.module), "took": took}
+            params = flat_params(engine.module)
+    else:
+        params = flat_params(engine.module)
+    return {"params": params, "took": took, "scaled": scaled}
 
 
-def token_losses(net, mb: dict) -> torch.Tensor:
-    """Cross-entropy per position, [B, T]; 0 where the label is -100."""
-    logits = net(mb["input_ids"])
-    return F.cross_entropy(
-        logits.flatten(0, 1), mb["labels"].flatten(), ignore_index=-100, reduction="none"
-    ).view(mb["labels"].shape)
+_MODELS: dict = {}  # model -> the seeded model, built once per process
 
 
-def replay(steps: list[Step], normalization: Normalization, config: dict) -> torch.Tensor:
-    """One process, no engine: the parameters after ``steps`` when every rank's micro-batch loss
-    is weighed by ``normalization`` and the ranks' gradients are averaged."""
-    cfg = load_config(config_for(0, config), world_size=WORLD_SIZE)
-    net = model()
+def _fresh(model: str):
+    if model not in _MODELS:
+        _MODELS[model] = models.build(model, SEED)
+    return copy.deepcopy(_MODELS[model])
+
+
+def initial_params(model: str = "toy") -> torch.Tensor:
+    return flat_params(_fresh(model))
+
+
+@contextlib.contextmanager
+def one_thread():
+    """torch on one thread: these models are tiny, and on a busy 2-core machine the threads of
+    one op wait for each other (a replay took 13 times longer on 2 threads than on 1)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def replay(
+    steps: list[Step], weights: list[Weights], config: dict | None, model: str = "toy"
+) -> torch.Tensor:
+    """One process, no engine: the parameters after ``steps`` when each step's gradient is that
+    of ``sum(weights * cross_entropy)`` over every rank's micro-batches (``weights[s]`` for step
+    s), then the config's clipping and optimizer."""
+    with one_thread():
+        return _replay(steps, weights, config, model)
+
+
+def _replay(steps, weights, config, model) -> torch.Tensor:
+    cfg = load_config(config_for(0, config), world_size=steps[0].world_size if steps else 1)
+    net = _fresh(model)
     optimizer = cfg.optimizer.torch_optimizer(net.parameters())
-    for step in steps:
+    for step, w in zip(steps, weights, strict=True):
         total = sum(
-            (token_losses(net, mb) * normalization.weights(step, r, m)).sum()
+            (models.target_losses(model, net, mb) * w[r][m]).sum()
             for r, mbs in enumerate(step.ranks)
             for m, mb in enumerate(mbs)
         )
         if isinstance(total, int):  # no micro-batch anywhere: the engine steps on zeros
             for p in net.parameters():
                 p.grad = torch.zeros_like(p)
-        else:  # the engine averages the ranks' gradients, or sums them ("sum")
-            (total / (1 if cfg.gradient_allreduce_op == "sum" else step.world_size)).backward()
+        else:
+            total.backward()
         # torch's clip scales by max_norm / (norm + 1e-6), as DeepSpeed does
         clip = cfg.gradient_clipping
         torch.nn.utils.clip_grad_norm_(net.parameters(), clip if clip > 0 else math.inf)
