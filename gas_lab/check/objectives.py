@@ -31,7 +31,8 @@ The built-in reductions (``--reduction``):
   seq-mean-token-sum, TRL's Dr. GRPO).
 
 A sequence (or, for ``microbatch-mean``, a micro-batch) with no target is not counted, unless
-``count_empty`` (verl's convention): then it counts, with a mean of 0. ``constant`` divides any
+``count_empty`` (the convention verl's PR #4510 wrote, later reverted by PR #4769): then it
+counts, with a mean of 0. ``constant`` divides any
 objective by a fixed number (Dr. GRPO's maximum length).
 """
 
