@@ -9,12 +9,14 @@
 * :class:`TinyTransformer`: the capstone's model (lesson 07).
 * :func:`wide_mlp`: a 1M-weight MLP with tiny_model's inputs and outputs (lesson 09's memory).
 * :func:`flat_params`: every parameter as one vector, to compare models and ship them.
+* :func:`one_thread`: torch on one thread while these models run.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -127,3 +129,16 @@ class TinyTransformer(nn.Module):
 def flat_params(module: nn.Module) -> Tensor:
     """Every parameter as one detached float32 CPU vector (to compare and to ship)."""
     return torch.cat([p.detach().float().flatten().cpu() for p in module.parameters()])
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """torch on one thread: these models' tensors hold a few hundred elements, and on a busy
+    2-core machine the threads of one op only wait for each other (a checker replay took 13
+    times longer on 2 threads than on 1; a lesson 01 slider move, seconds)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

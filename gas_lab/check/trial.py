@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import math
 
@@ -23,7 +22,7 @@ from gas_lab.check import models
 from gas_lab.check.cases import BY_NAME
 from gas_lab.check.objectives import Step, Weights
 from gas_lab.deepspeed_compat.config import load_config
-from gas_lab.toys import flat_params
+from gas_lab.toys import flat_params, one_thread
 
 RTOL = 1e-5  # some real mistakes move a step by only 1-3 %; rounding moves it by about 1e-7
 SEED = 0
@@ -106,18 +105,6 @@ def _fresh(model: str):
 
 def initial_params(model: str = "toy") -> torch.Tensor:
     return flat_params(_fresh(model))
-
-
-@contextlib.contextmanager
-def one_thread():
-    """torch on one thread: these models are tiny, and on a busy 2-core machine the threads of
-    one op wait for each other (a replay took 13 times longer on 2 threads than on 1)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def replay(

@@ -9,12 +9,10 @@ without a kernel show; JupyterLab shows the live widget.
 
 from __future__ import annotations
 
-import contextlib
 import html
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import ipywidgets as w
-import torch
 
 from gas_lab.accumulate import (
     REDUCTIONS,
@@ -27,19 +25,7 @@ from gas_lab.accumulate import (
     token_losses,
 )
 from gas_lab.lessons.plots import StillPicture, svg
-from gas_lab.toys import TinySeqModel, sequence_batch, spread_lengths
-
-
-@contextlib.contextmanager
-def _one_thread() -> Iterator[None]:
-    # Tensors of a few hundred elements: extra threads only wait on each other, by seconds
-    # per slider move on a busy 2-core laptop.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
+from gas_lab.toys import TinySeqModel, one_thread, sequence_batch, spread_lengths
 
 
 # ---------------------------------------------------------------- lesson 01: the compute
@@ -68,7 +54,7 @@ def explorer_errors(
     spread: float, ns: Sequence[int], reductions: Sequence[str] = REDUCTIONS
 ) -> dict[str, list[float]]:
     """Max relative error against the per-token reference, per reduction, for each N."""
-    with _one_thread():
+    with one_thread():
         return {
             norm: [error_vs_reference(norm, n, spread).max_rel for n in ns] for norm in reductions
         }
