@@ -25,13 +25,11 @@ from gas_lab.check import CASE_TIMEOUT_S, check_loop, diagnosis, report
 from gas_lab.check.__main__ import main
 from gas_lab.check.cases import BY_NAME, CASES, NEW, chosen
 from gas_lab.check.diagnosis import Replays
+from gas_lab.check.mistakes import describe, differences, mistakes
 from gas_lab.check.objectives import (
     REDUCTIONS,
     Normalization,
     Objective,
-    describe,
-    differences,
-    mistakes,
     reduction,
 )
 from gas_lab.check.report import CaseResult, CheckResult, Outcome

@@ -2,7 +2,7 @@
 did, or what a crash or a hang means at that ZeRO stage.
 
 A loop whose weights are wrong is replayed against every recipe of
-:func:`~gas_lab.check.objectives.mistakes`, whatever objective was declared (a built-in
+:func:`~gas_lab.check.mistakes.mistakes`, whatever objective was declared (a built-in
 reduction or the user's own); each one that lands on the loop's parameters (to the same
 tolerance as the check itself) is a diagnosis. What the checker saw on the ranks narrows them
 first: where ``gradient_accumulation_steps`` > 1 and the loop called ``engine.backward`` without
@@ -23,15 +23,13 @@ from dataclasses import dataclass, replace
 import torch
 
 from gas_lab.check.cases import Case
+from gas_lab.check.mistakes import describe, differences, mistakes
 from gas_lab.check.objectives import (
     REDUCTIONS,
     Normalization,
     Objective,
     Step,
     Weights,
-    describe,
-    differences,
-    mistakes,
     reduction,
     targets,
 )
