@@ -235,3 +235,15 @@ def test_the_readme_states_the_floor_size():
     floor = [path for name, path in modules().items() if layer_of(name) == "floor"]
     lines = sum(len(path.read_text().splitlines()) for path in floor)
     assert len(floor) == 6 and int(stated.group(1).replace(",", "")) == round(lines, -2), lines
+
+
+MAX_LINES = 400  # a module a reader holds in their head; past it, split it by what it holds
+
+
+def test_no_module_is_over_400_lines():
+    long = {
+        str(p.relative_to(ROOT)): n
+        for p in sorted((ROOT / "gas_lab").rglob("*.py"))
+        if (n := len(p.read_text().splitlines())) > MAX_LINES
+    }
+    assert not long, f"modules over {MAX_LINES} lines (split each by what it holds): {long}"
