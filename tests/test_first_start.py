@@ -8,8 +8,8 @@ Nothing is compiled twice: ``make ops`` built the op once for the environment
 (gas_lab/runtime/ops.py). The test starts from a copy of that build in a cache of its own with
 the op's library removed, so the start runs PyTorch's real JIT build (the lock, ninja, the
 loader) and ninja has only the link left to do. A ninja that waits 2 s before it starts stands in
-for the compiler's minutes, so the build is long enough for the runtime to see it (it looks
-4 times a second). If the runtime stops saying the build, or takes the start for a stall, the
+for the compiler's minutes, so the lock is held long enough to be a build (a load holds it
+well under a second, and the runtime says nothing of a load: calls.QUIET_LOAD_S). If the runtime stops saying the build, or takes the start for a stall, the
 assertions fail as they did against a full build.
 """
 
@@ -55,12 +55,12 @@ def unlinked_copy(cache) -> None:
     os.remove(cache / OP / f"{OP}.so")
 
 
-def slow_ninja(folder) -> dict:
-    """The environment with a ``ninja`` first on PATH that waits 2 s, then runs the real one."""
+def slow_ninja(folder, seconds: float = 2) -> dict:
+    """The environment with a ``ninja`` first on PATH that waits, then runs the real one."""
     real = shutil.which("ninja") or os.path.join(os.path.dirname(sys.executable), "ninja")
     folder.mkdir()
     script = folder / "ninja"
-    script.write_text(f'#!/bin/sh\n[ "$1" = --version ] || sleep 2\nexec {real} "$@"\n')
+    script.write_text(f'#!/bin/sh\n[ "$1" = --version ] || sleep {seconds}\nexec {real} "$@"\n')
     script.chmod(0o755)
     return {"PATH": f"{folder}{os.pathsep}{os.environ.get('PATH', '')}"}
 
@@ -83,7 +83,7 @@ def test_a_first_deepspeed_start_is_start_up_work_not_a_stall(tmp_path):
     # One line as the build starts, one as it ends, naming the log; not the compiler's lines.
     building = re.search(
         r"^gas_lab notice: building DeepSpeed's C\+\+ op deepspeed_shm_comm, once for this "
-        r"environment: 0 s \(the compiler's output goes to (\S+)\)$",
+        r"environment: \d+ s \(the compiler's output goes to (\S+)\)$",
         proc.stderr,
         re.M,
     )
@@ -107,3 +107,20 @@ def test_a_first_deepspeed_start_is_start_up_work_not_a_stall(tmp_path):
     assert os.path.exists(cache / OP / f"{OP}.so")  # built again, by the start
     assert objects and {p.name: p.stat().st_mtime_ns for p in (cache / OP).glob("*.o")} == objects
     print(f"cold DeepSpeed start with timeout=1: {result['seconds']:.1f} s")
+
+
+def test_a_start_that_loads_the_built_op_says_nothing_of_a_build(tmp_path):
+    """Every first load takes the op's lock for ninja's check: new ranks loading what `make ops`
+    built see a lock come and go, and the runtime must not call that a build. (Ninja's check
+    made to last half a second here, so the runtime, which looks 4 times a second, sees it.)"""
+    _built = os.path.join(build_lock.extensions_root(), OP, f"{OP}.so")
+    assert os.path.exists(_built), "run `make ops`"
+    proc = run_command(
+        [sys.executable, "-c", _COLD_START, build_lock.extensions_root()],
+        timeout=600,
+        env=os.environ | {"DS_ACCELERATOR": "cpu"} | slow_ninja(tmp_path / "bin", 0.5),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["same"] and result["built"] == {}
+    assert "C++ op" not in proc.stderr, proc.stderr[-3000:]

@@ -44,6 +44,9 @@ RESAMPLE_BUILD = 10.0
 # A rank's result and its output travel on different channels, so the result can arrive while
 # the last of its output is still on the way: wait up to this long for the rest.
 OUTPUT_GRACE = 10.0
+# PyTorch takes an op's build lock at every first load in a process, built or not, while ninja
+# checks the build (well under a second); a lock held longer than this is a build, said as one.
+QUIET_LOAD_S = 1.0
 # A cell on some ranks only: look for a rank waiting in a collective (which the other ranks never
 # join) this soon after the start, and then this often.
 ALONE_FIRST = 0.5
@@ -114,26 +117,34 @@ class Call:
         self.out.close(self.futures)
 
     def _watch_build(self) -> None:
-        """A C++ build on a rank (a new build lock: build_lock.py) is one notice line with a live
-        elapsed time instead of the compiler's lines, which go to a log file the line names;
-        when the lock goes, the line says "built in N s"."""
+        """A C++ build on a rank (a new build lock held past ``QUIET_LOAD_S``: build_lock.py) is
+        one notice line with a live elapsed time instead of the compiler's lines, which go to a
+        log file the line names; when the lock goes, the line says "built in N s". A lock that
+        goes sooner was a load's: its lines go to the cell, and nothing is said."""
         held = [lock for lock in build_lock.locks() if lock not in self.locks]
+        now = time.monotonic()
         if self.build is None and held:
             op = os.path.basename(os.path.dirname(held[0]))
             log = os.path.join(os.path.dirname(held[0]), "gas_lab_build.log")
-            self.build = b = {"op": op, "log": log, "lock": held[0], "t0": time.monotonic()}
-            b["shown"], b["since"] = 0, self.cluster.watch.process_output()
-            b["file"] = self.out.divert = open(log, "w")
-            b["file"].write(f"gas_lab: DeepSpeed's C++ op {op}, built in {os.path.dirname(log)}\n")
-            b["file"].write("--- what the ranks printed during the build ---\n")
-            b["notice"] = notice(self._building_text(b, 0))
+            since = self.cluster.watch.process_output()
+            self.build = {"op": op, "log": log, "lock": held[0], "t0": now, "since": since}
+            self.build["notice"] = None
+            self.out.hold()
         elif self.build is not None:
-            b, seconds = self.build, time.monotonic() - self.build["t0"]
-            if held and seconds - b["shown"] >= 1:
+            b, seconds = self.build, now - self.build["t0"]
+            if not held:
+                self._end_build()
+            elif b["notice"] is None and seconds >= QUIET_LOAD_S:
+                b["shown"], b["file"] = int(seconds), open(b["log"], "w")
+                b["file"].write(f"gas_lab: DeepSpeed's C++ op {b['op']}, built in ")
+                b["file"].write(f"{os.path.dirname(b['log'])}\n")
+                b["file"].write("--- what the ranks printed during the build ---\n")
+                self.out.release(log=b["file"])
+                self.out.divert = b["file"]
+                b["notice"] = notice(self._building_text(b, seconds))
+            elif b["notice"] is not None and seconds - b["shown"] >= 1:
                 b["shown"] = int(seconds)
                 b["notice"].update(self._building_text(b, seconds))
-            elif not held:
-                self._end_build()
 
     @staticmethod
     def _building_text(b: dict, seconds: float) -> str:
@@ -144,6 +155,9 @@ class Call:
 
     def _end_build(self) -> None:
         b, self.build = self.build, None
+        if b["notice"] is None:  # a load's lock (a build this short, _note_builds says)
+            self.out.release()
+            return
         self.out.pump(self.futures)  # the build's last lines still go to its log
         self.out.divert = None
         for path, start in b["since"].items():  # ninja's and the compiler's own lines

@@ -72,6 +72,7 @@ class RankOutput:
         self.shown = dict.fromkeys(ranks, 0)
         self.dropped = dict.fromkeys(ranks, 0)
         self.divert = None  # a file that takes the lines instead of the cell (a C++ build's log)
+        self.held: list | None = None  # lines kept back until they go to a log or to the cell
 
     def pump(self, futures: list) -> None:
         for r, f in zip(self.ranks, futures, strict=True):
@@ -114,8 +115,25 @@ class RankOutput:
                 self._show_bar(key, _last_segment(rest))  # a line rewritten in place
             self.partial[key] = rest
 
+    def hold(self) -> None:
+        """Keep the lines back (while a build lock is young: a build's lines go to its log, a
+        load's to the cell) until :meth:`release`."""
+        self.held = []
+
+    def release(self, log=None) -> None:
+        """The lines kept back: into ``log``, or into the cell as they would have gone."""
+        held, self.held = self.held or [], None
+        for key, line in held:
+            if log is not None:
+                log.write(f"[rank {key[0]}] {line}\n")
+            else:
+                self._emit(key, line)
+
     def _emit(self, key, line: str) -> None:
         r, stream = key
+        if self.held is not None:
+            self.held.append((key, line))
+            return
         if self.divert is not None:
             self.divert.write(f"[rank {r}] {line}\n")
             return
