@@ -335,6 +335,7 @@ def _documented_fields() -> set[str]:
         ([f"{LOOPS}:right_token", "--config", __file__], "--config"),
         ([f"{LOOPS}:right_token", "--world-size", "5"], "--world-size 5"),
         ([f"{LOOPS}:right_token", "--case-timeout", "0"], "--case-timeout 0"),
+        ([f"{LOOPS}:right_token", "--cases", "equal,no such"], "--cases ['equal', 'no such']"),
         ([f"{LOOPS}:right_token", "--model", "gpt"], "--model 'gpt'"),
         ([f"{LOOPS}:right_token", "--objective", f"{LOOPS}:objective_wrong_shape"],
          "--objective"),
@@ -506,10 +507,13 @@ def test_a_user_objective_from_the_command_and_its_json(cluster, capsys):
     """--objective FILE.py:FUNCTION in the command (in this process: the session's ranks); the
     JSON carries the whole declaration and the versions, every field documented."""
     code = main([f"{LOOPS}:sequence_sums_over_8_loop", "--objective",
-                 f"{LOOPS}:sequence_sums_over_8", "--stages", "0", "--json"])  # fmt: skip
+                 f"{LOOPS}:sequence_sums_over_8", "--stages", "0", "--json",
+                 "--cases", "unequal,packed"])  # fmt: skip
     doc = json.loads(capsys.readouterr().out)
     assert code == 0 and doc["ok"], doc
     d = doc["declaration"]
+    assert d["cases"] == ["unequal", "packed"]
+    assert [r["case"] for r in doc["results"]] == d["cases"]
     assert d["objective"] == f"{LOOPS}:sequence_sums_over_8" and d["reduction"] is None
     assert (d["world_size"], d["model"], d["library"], d["stages"]) == (2, "toy", "deepspeed", [0])
     assert d["config"]["zero_optimization"]["stage"] == 0 and d["config_given"] is False

@@ -110,6 +110,7 @@ def check_arguments(
     model="toy",
     world_size=WORLD_SIZE,
     case_timeout=CASE_TIMEOUT_S,
+    cases=None,
 ) -> tuple[tuple[int, ...], Objective]:
     """Raise ValueError naming the argument that is wrong; return the stages as a tuple and the
     declared objective (a user's is called once on a case, to check what it returns)."""
@@ -132,6 +133,8 @@ def check_arguments(
         raise ValueError(f"case-timeout {case_timeout!r}: seconds > 0")
     if config is not None and not isinstance(config, dict):
         raise ValueError(f"config: a DeepSpeed config dict, got {type(config).__name__}")
+    if cases is not None and (not cases or any(c not in BY_NAME for c in cases)):
+        raise ValueError(f"cases {list(cases)}: choose from {', '.join(BY_NAME)}")
     right = declared(reduction, objective, constant, count_empty_sequences)
     if not right.builtin:  # what it returns, on every case, before any rank starts
         for case in BY_NAME.values():
@@ -180,13 +183,15 @@ def check_loop(
     world_size: int = WORLD_SIZE,
     config: dict | None = None,
     case_timeout: float = CASE_TIMEOUT_S,
+    cases=None,
     cluster=None,
     progress: bool = True,
 ) -> CheckResult:
     """Check ``fn(engine, micro_batches)`` (the contract: this module's docstring) against the
     declared ``reduction`` (``"token"`` when neither it nor ``objective`` is given) on the
     notebook's ranks (``cluster``, or ``world_size`` CPU ranks started for it); returns a
-    :class:`~gas_lab.check.report.CheckResult`, which a notebook shows as a table."""
+    :class:`~gas_lab.check.report.CheckResult`, which a notebook shows as a table. ``cases``
+    names the cases to run (all of them by default; a test of one behaviour needs one)."""
     stages, right = check_arguments(
         reduction,
         stages,
@@ -198,7 +203,13 @@ def check_loop(
         model=model,
         world_size=world_size,
         case_timeout=case_timeout,
+        cases=cases,
     )
+    run = [c for c in chosen(equal_counts, world_size) if cases is None or c.name in cases]
+    if not run:
+        raise ValueError(
+            f"cases {list(cases)}: none of them has equal counts at {world_size} ranks"
+        )
     t0 = time.perf_counter()
     cluster = cluster or start_cluster(world_size=world_size, device="cpu")
     if cluster.world_size != world_size:
@@ -212,7 +223,7 @@ def check_loop(
     replays = diagnosis.Replays(config, model, world_size, models.CONVENTION[model])
     cluster.run(_import, library, model, timeout=600)
     results = []
-    todo = [(s, c) for s in stages for c in chosen(equal_counts, world_size)]
+    todo = [(s, c) for s in stages for c in run]
     bar = tqdm(total=len(todo), unit="case", leave=False, disable=not progress)
     for stage, case in todo:
         bar.set_description(f"stage {stage}, {case.name}")
@@ -236,6 +247,7 @@ def check_loop(
         "constant": constant,
         "count_empty_sequences": count_empty_sequences,
         "equal_counts": equal_counts,
+        "cases": None if cases is None else list(cases),
         "stages": list(stages),
         "library": library,
         "model": model,

@@ -43,6 +43,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--constant", type=float, default=None, help="divide the objective by C")
     p.add_argument("--count-empty-sequences", action="store_true")
     p.add_argument("--equal-counts", action="store_true", help="only cases with equal counts")
+    p.add_argument("--cases", default=None, help="only these cases, comma-separated names")
     p.add_argument("--stages", default="0,1,2", help="ZeRO stages, comma-separated")
     p.add_argument("--library", default="deepspeed", help="deepspeed or gas_lab")
     p.add_argument("--model", default="toy", help=f"one of {', '.join(MODELS)}")
@@ -119,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
             "model": args.model,
             "world_size": args.world_size,
             "case_timeout": args.case_timeout,
+            "cases": None if args.cases is None else tuple(args.cases.split(",")),
         }
         try:
             check_arguments(args.reduction, stages, args.library, args.constant, config, **options)

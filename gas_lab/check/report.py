@@ -6,8 +6,8 @@ The JSON (``--json``, :meth:`CheckResult.to_json`) is one object:
   every rank runs the same number of micro-batches", ...}``; ``seconds``: the check's wall time.
 * ``declaration``: what was checked, in full: ``objective`` (the user's ``FILE.py:FUNCTION``, or
   null), ``reduction`` (the built-in one, or null), ``constant``, ``count_empty_sequences``,
-  ``equal_counts``, ``stages``, ``library``, ``model``, ``world_size``, ``case_timeout`` (seconds
-  per case), ``config`` (the DeepSpeed config the engines ran with, its
+  ``equal_counts``, ``cases`` (the case names asked for, or null: every case), ``stages``,
+  ``library``, ``model``, ``world_size``, ``case_timeout`` (seconds per case), ``config`` (the DeepSpeed config the engines ran with, its
   ``zero_optimization.stage`` set to each of ``stages`` in turn) and ``config_given`` (whether it
   is the user's, completed, or the checker's own).
 * ``versions``: ``gas_lab``, ``deepspeed``, ``torch`` and ``transformers`` (null if absent).
