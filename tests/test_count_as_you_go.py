@@ -3,7 +3,8 @@
 count taken before the first backward() passes at stages 0-2; DeepSpeed's public gradient
 accessors scale the gradients at stages 0 and 1 and refuse at stage 2; the optimizer's private
 loss scale passes at stages 1 and 2, is absent at stage 0, and breaks a second step unless it is
-set back to 1."""
+set back to 1. (A6 shows the stage-2 refusal on one backward() per rank, in a fraction of a
+second; here the checker runs it, each case ending in a restart of the ranks.)"""
 
 import pytest
 

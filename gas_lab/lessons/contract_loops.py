@@ -1,7 +1,8 @@
 """Appendix A6's loops in the checker's contract (:mod:`gas_lab.check`): the helpers every loop of
-the appendix uses, :func:`token_step`, the 'token' objective with the count of the whole step
-taken before the first ``backward()``, and loops for trainers that learn the count only as they
-accumulate (a mask their loss computes, say): :func:`scale_grads` and :func:`loss_scale_hack`.
+the appendix uses (a packed row's documents among them, :func:`documents`), :func:`token_step`,
+the 'token' objective with the count of the whole step taken before the first ``backward()``,
+and loops for trainers that learn the count only as they accumulate (a mask their loss
+computes, say): :func:`scale_grads` and :func:`loss_scale_hack`.
 
 A loop that counts as it goes backpropagates each micro-batch's summed loss, all-reduces the
 count after the last ``backward()``, and must then multiply the accumulated gradients by
@@ -30,9 +31,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-FILLER = {
+FILLER = {  # one attended position, one document, weighed 0 wherever it is used
     "input_ids": torch.zeros(1, 1, dtype=torch.long),
     "labels": torch.zeros(1, 1, dtype=torch.long),
+    "attention_mask": torch.ones(1, 1, dtype=torch.long),
+    "position_ids": torch.zeros(1, 1, dtype=torch.long),
+    "loss_mask": torch.ones(1, 1, dtype=torch.long),
 }
 
 
@@ -52,6 +56,29 @@ def all_ranks(x, op=dist.ReduceOp.SUM):
 
 def labelled(micro_batches):
     return sum(int((mb["labels"] != -100).sum()) for mb in micro_batches)
+
+
+def documents(mb):
+    """[B, T, D]: 1 where position t of row b belongs to the row's document d. A document starts
+    where ``position_ids`` is 0 on an attended position, so a packed row holds several."""
+    attended = mb["attention_mask"] > 0
+    starts = (mb["position_ids"] == 0) & attended
+    index = starts.long().cumsum(1) - 1  # each position's document in its row (-1: before one)
+    onehot = F.one_hot(index.clamp(min=0), int(starts.sum(1).max())).float()
+    return onehot * (attended & (index >= 0)).unsqueeze(-1)
+
+
+def document_tokens(mb):
+    """Each document's labelled tokens, [B, D] (0 for a document with no label left)."""
+    return (documents(mb) * (mb["labels"] != -100).unsqueeze(-1)).sum(1)
+
+
+def document_means(engine, mb):
+    """Each document's mean cross-entropy over its own labelled tokens (0 where it has none),
+    [B, D]."""
+    logits = engine(mb["input_ids"])
+    ce = F.cross_entropy(logits.transpose(1, 2), mb["labels"], ignore_index=-100, reduction="none")
+    return (documents(mb) * ce.unsqueeze(-1)).sum(1) / document_tokens(mb).clamp(min=1)
 
 
 def padded(micro_batches):
