@@ -74,12 +74,13 @@ def pytest_sessionfinish(session, exitstatus):
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
-# The slowest files of a warm `make test` (--durations on 3 workers: 75-170 s, 40-140 s, 40-50 s),
-# handed out first so that none of them is what the run waits for at its end. An order only:
-# a stale name here changes nothing else.
-SLOW_FIRST = ["A3_idle_ranks.ipynb", "test_check.py", "test_first_start.py", "test_kernel.py",
-              "A6_your_own_loop.ipynb", "09_beyond_zero1.ipynb", "07_capstone.ipynb",
-              "test_cluster.py"]  # fmt: skip
+# The slowest files of a fresh clone's `.ci/run` on 2026-12-07 (--durations on 3 workers, `make
+# bench` 11.5 ms: A6 91 s, 07 66 s, 09 60 s, 00 53 s, test_check's two slowest 53 and 52 s, A5
+# 47 s, A3 47 s), handed out first so that none of them is what the run waits for at its end. An
+# order only: a stale name here changes nothing else.
+SLOW_FIRST = ["A6_your_own_loop.ipynb", "test_check.py", "07_capstone.ipynb",
+              "09_beyond_zero1.ipynb", "00_setup.ipynb", "A5_memory_and_offload.ipynb",
+              "A3_idle_ranks.ipynb", "test_kernel.py"]  # fmt: skip
 
 
 def pytest_collection_modifyitems(config, items):
