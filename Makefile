@@ -52,10 +52,13 @@ lab: ops  ## the course: JupyterLab on your own copy of tutorials/ (my_tutorials
 	$(BIN)/jupyter lab --ip 127.0.0.1 --notebook-dir my_tutorials \
 	  --LabApp.app_settings_dir=$(CURDIR)/lab --config=$(CURDIR)/lab/jupyter_lab_config.py $(ROOT_FLAG)
 
-# Test workers (pytest-xdist): the suite is mostly process start-up and waiting on other processes
-# (one worker kept 2 cores 65% busy; two, 84%; three, 87-93%: the third fills the time the others
-# wait). Each worker takes whole files (module fixtures start once) in the order tests/conftest.py
-# sets: the slowest files, the notebooks, the docs site, the files that start ranks, the rest. With
+# Test workers (pytest-xdist): the suite is mostly process start-up and waiting on other processes.
+# Measured on 2026-12-07 (2 cores, `make bench` 11.5 ms per step, DeepSpeed's ops built first):
+# 3 workers, pytest 731 s (a fresh clone's .ci/run; 26 CPU-minutes in 15.8 wall, 83% of 2 cores);
+# 2 workers, pytest 769 s (warm; 21 CPU-minutes in 13.0 wall, 81%). Earlier: one worker kept 2
+# cores 65% busy; two, 84%; three, 87-93%: the third fills the time the others wait. Each worker
+# takes whole files (module fixtures start once) in the order tests/conftest.py sets: the slowest
+# files, the notebooks, the docs site, the files that start ranks, the rest. With
 # GAS_LAB_BUILD_SITE=1 the docs-site tests wait for the executed notebooks, then build the site
 # (`make docs`) and open it, while the other workers run test files.
 TEST_WORKERS ?= 3
