@@ -95,9 +95,7 @@ def build(name: str) -> tuple[bool, float, str]:
 
 
 def main() -> int:
-    from gas_lab.runtime.build_lock import use_environment_cache
-
-    use_environment_cache()
+    # The environment's own cache is already set: importing gas_lab (this package) does it.
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     hook = real_paths_hook()
     from deepspeed.accelerator import get_accelerator
