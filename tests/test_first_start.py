@@ -123,4 +123,6 @@ def test_a_start_that_loads_the_built_op_says_nothing_of_a_build(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["same"] and result["built"] == {}
-    assert "C++ op" not in proc.stderr, proc.stderr[-3000:]
+    # On a loaded machine the load itself can outlast the call's 1 s: it may be said as loading,
+    # never as a build.
+    assert not re.search(r"\bbuil(d|t|ding)\b", proc.stderr), proc.stderr[-3000:]

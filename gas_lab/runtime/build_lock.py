@@ -86,6 +86,19 @@ def _ninja_seconds(library: str) -> float:
         return float("nan")
 
 
+def compiling(folder: str) -> bool:
+    """Whether an op's build is compiling or linking now: its library is missing, or a compiler
+    runs in its folder (PyTorch runs ninja there; a load runs ninja alone, to check)."""
+    from gas_lab.runtime.rank_state import COMPILERS
+
+    if not glob.glob(os.path.join(folder, "*.so")):
+        return True
+    for proc in psutil.process_iter(["name", "cwd"]):
+        if proc.info["name"] in COMPILERS and proc.info["cwd"] == folder:
+            return True
+    return False
+
+
 def locks(root: str | None = None) -> list[str]:
     """Every build lock that exists now, held or not."""
     root = root or extensions_root()

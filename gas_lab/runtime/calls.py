@@ -45,7 +45,8 @@ RESAMPLE_BUILD = 10.0
 # the last of its output is still on the way: wait up to this long for the rest.
 OUTPUT_GRACE = 10.0
 # PyTorch takes an op's build lock at every first load in a process, built or not, while ninja
-# checks the build (well under a second); a lock held longer than this is a build, said as one.
+# checks the build (well under a second when idle, longer on a loaded machine); a lock held longer
+# than this is a build, said as one, once the op's library is missing or a compiler runs for it.
 QUIET_LOAD_S = 1.0
 # A cell on some ranks only: look for a rank waiting in a collective (which the other ranks never
 # join) this soon after the start, and then this often.
@@ -117,10 +118,11 @@ class Call:
         self.out.close(self.futures)
 
     def _watch_build(self) -> None:
-        """A C++ build on a rank (a new build lock held past ``QUIET_LOAD_S``: build_lock.py) is
-        one notice line with a live elapsed time instead of the compiler's lines, which go to a
-        log file the line names; when the lock goes, the line says "built in N s". A lock that
-        goes sooner was a load's: its lines go to the cell, and nothing is said."""
+        """A C++ build on a rank (a new build lock held past ``QUIET_LOAD_S`` while the op
+        compiles: build_lock.py) is one notice line with a live elapsed time instead of the
+        compiler's lines, which go to a log file the line names; when the lock goes, the line
+        says "built in N s". A lock that goes before any compiling was a load's: its lines go to
+        the cell, and nothing is said."""
         held = [lock for lock in build_lock.locks() if lock not in self.locks]
         now = time.monotonic()
         if self.build is None and held:
@@ -128,13 +130,15 @@ class Call:
             log = os.path.join(os.path.dirname(held[0]), "gas_lab_build.log")
             since = self.cluster.watch.process_output()
             self.build = {"op": op, "log": log, "lock": held[0], "t0": now, "since": since}
+            folder = os.path.dirname(held[0])
             self.build["notice"] = None
+            self.build["compiling"] = lambda: build_lock.compiling(folder)
             self.out.hold()
         elif self.build is not None:
             b, seconds = self.build, now - self.build["t0"]
             if not held:
                 self._end_build()
-            elif b["notice"] is None and seconds >= QUIET_LOAD_S:
+            elif b["notice"] is None and seconds >= QUIET_LOAD_S and b["compiling"]():
                 b["shown"], b["file"] = int(seconds), open(b["log"], "w")
                 b["file"].write(f"gas_lab: DeepSpeed's C++ op {b['op']}, built in ")
                 b["file"].write(f"{os.path.dirname(b['log'])}\n")

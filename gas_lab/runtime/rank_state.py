@@ -27,8 +27,11 @@ _DUMP = "Stack (most recent call first):"  # what faulthandler writes above a th
 _FRAME = re.compile(r'^\s+File "(.*)", line (\d+) in (.*)$')
 COLLECTIVE_FILES = ("torch/distributed/distributed_c10d.py", "deepspeed/comm/")
 BUILD_FILES = ("torch/utils/cpp_extension.py", "deepspeed/ops/op_builder/")
-COMPILERS = {"ninja", "cc1plus", "cc1", "c++", "g++", "gcc", "cc", "clang", "clang++", "ld"}
-STARTUP = {"importing", "building", "build_lock", "deepspeed_init"}  # busy, and worth waiting for
+# ninja is not among them: PyTorch runs it at every first load of an op, built or not, to check
+# the build; only a compiler or the linker under it means a build.
+COMPILERS = {"cc1plus", "cc1", "c++", "g++", "gcc", "cc", "clang", "clang++", "ld", "collect2"}
+# busy, and worth waiting for
+STARTUP = {"importing", "building", "loading", "build_lock", "deepspeed_init"}
 
 
 @dataclass
@@ -68,12 +71,14 @@ def classify(frames: list[tuple[str, int, str]], children: list[str], cpu: float
 def _classify(frames: list[tuple[str, int, str]], children: list[str], cpu: float) -> RankState:
     where = _user_frame(frames)
     if any(c in COMPILERS for c in children):
-        return RankState("building", "building a C++ op (ninja and the compiler are running)")
+        return RankState("building", "building a C++ op for DeepSpeed (the compiler is running)")
     for path, _, fn in frames:
         if "torch/utils/file_baton.py" in path:
             return RankState("build_lock", "waiting for a C++ op build lock (torch_extensions)")
-        if any(f in path for f in BUILD_FILES):
-            return RankState("building", "building a C++ op for DeepSpeed")
+        if any(f in path for f in BUILD_FILES):  # no compiler: ninja checks a built op
+            return RankState(
+                "loading", "loading a C++ op for DeepSpeed (ninja checks that it is up to date)"
+            )
         if any(f in path for f in COLLECTIVE_FILES) and not fn.startswith("_"):
             name = next((f for p, _, f in reversed(frames) if COLLECTIVE_FILES[0] in p), fn)
             return RankState("collective", f"waiting in a collective ({name}, called from {where})")
