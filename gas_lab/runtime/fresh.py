@@ -32,9 +32,9 @@ from pathlib import Path
 # The slow imports every rank needs, imported once by the forker before any fork. The last two
 # are imported lazily by the first torch optimizer (torch._dynamo) and by the first
 # deepspeed.initialize (its ZeRO check imports Muon, which compiles): 3 CPU seconds in every
-# rank that did not inherit them. (The cluster's ranks do not preload them: its one start
-# would wait for them, while its ranks import them side by side, once, when a lesson needs them.)
-_IMPORTS = (
+# rank that did not inherit them. The cluster's ranks inherit them too, on CPU ranks
+# (rank_process.py).
+RANK_IMPORTS = (
     "torch",
     "torch.distributed",
     "deepspeed",
@@ -208,20 +208,26 @@ def _lead(request: dict) -> None:
     os._exit(0)
 
 
+def preload() -> None:
+    """Import :data:`RANK_IMPORTS` in this process, before it forks ranks."""
+    import importlib
+
+    for name in RANK_IMPORTS:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass  # a run that needs it fails in its own log
+
+
 def _serve() -> None:
     """The forker: import once, then one leader per request line, until stdin closes."""
-    import importlib
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # an interrupt is for the notebook's own work
     # The answers get a pipe of their own; what the imports print (DeepSpeed logs to stdout
     # when DS_ACCELERATOR is unset) goes to stderr, not into the answers.
     answers = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)
-    for name in _IMPORTS:
-        try:
-            importlib.import_module(name)
-        except ImportError:
-            pass  # a run that needs it fails in its own log
+    preload()
     for line in sys.stdin:
         request = json.loads(line)
         pid = os.fork()
