@@ -128,9 +128,11 @@ def test_deepspeed_logs_unmanaged_samples_per_sec_from_the_last_micro_batch(clus
     assert r["timed_steps"] >= 5 and r["batch"] == MICRO * n * cluster.world_size
     # The logged rate is train_batch_size over the timer's time per step ...
     assert r["logged"] == pytest.approx(r["batch"] * r["timed_steps"] / r["timer"], rel=1e-9)
-    # ... and that time is from the LAST forward of each step to the end of its step(),
-    assert r["timer"] == pytest.approx(r["last"], rel=0.1)
+    # ... and that time is from the LAST forward of each step to the end of its step(): at most
+    # that span, short of it only by the recorder's own calls (a larger share on a loaded
+    # machine: 13% once beside 3 test workers), nowhere near the span from the first forward,
     assert r["timer"] <= r["last"] * 1.01
+    assert r["last"] - r["timer"] < 0.25 * (r["first"] - r["last"])
     # while the step ran from its first forward: the real rate is lower than the logged one.
     real = r["batch"] * r["timed_steps"] / r["first"]
     assert r["first"] > r["last"] and r["logged"] > 1.1 * real
@@ -138,8 +140,9 @@ def test_deepspeed_logs_unmanaged_samples_per_sec_from_the_last_micro_batch(clus
 
 def test_deepspeed_times_every_micro_batch_when_managed(cluster):
     r = cluster.run(_timed, True, 4, timeout=300)[0]
-    # a step() follows every forward: every micro-batch is timed, from forward to step()
-    assert r["timer"] == pytest.approx(r["every"], rel=0.1)
+    # a step() follows every forward: every micro-batch is timed, from forward to step() (short
+    # of those spans only by the recorder's own calls; timing one micro-batch in 4 would be 75%)
+    assert r["timer"] == pytest.approx(r["every"], rel=0.25)
     assert r["timer"] <= r["every"] * 1.01
 
 
