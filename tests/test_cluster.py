@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import gas_lab
+from gas_lab.runtime.calls import ERROR_GRACE
 from gas_lab.runtime.cluster import RankError, RankStallError
 from gas_lab.runtime.lifetime import run_command
 
@@ -82,6 +83,10 @@ def test_a_failed_rank_does_not_leave_the_others_hanging(cluster):
     assert "rank 1 raised RuntimeError: died before the all_reduce" in str(info.value)
     assert info.value.stalled == [0] and "restarted" in str(info.value)
     assert elapsed < 45, f"took {elapsed:.1f} s: the error should not wait for the full timeout"
+    # rank 0 was seen waiting in the all_reduce rank 1 never joins: the call did not wait out
+    # the grace the others get to finish (the restart's own seconds aside)
+    waited = elapsed - cluster.startup_seconds
+    assert waited < ERROR_GRACE, f"{waited:.1f} s before the restart"
     assert not any(psutil.pid_exists(p) for p in old)
     assert cluster.run(_env_and_allreduce, 0)[1]["sum"] == 1.0
 

@@ -2,7 +2,8 @@
 that blame the right thing.
 
 * What the ranks print is shown while they run (:mod:`~gas_lab.runtime.streaming`).
-* A rank that raises ends the call after the others get :data:`ERROR_GRACE` seconds; a rank that
+* A rank that raises ends the call after the others get :data:`ERROR_GRACE` seconds, or as soon
+  as every other rank is seen waiting in a collective the failed rank will never join; a rank that
   dies is reported with its exit code or signal, before the ranks that failed because of it.
 * At the timeout the unfinished ranks are sampled (:mod:`~gas_lab.runtime.rank_state`): ranks
   waiting in a collective stalled, and the ranks are restarted; a rank still *starting up*
@@ -206,6 +207,7 @@ class Call:
         work_timed = False  # the work after start-up got the call's own timeout
         partial = self.ranks != self.cluster.ranks
         next_alone, seen = start + ALONE_FIRST, {}
+        next_wait, waiting = 0.0, {}  # after a failure: the others, waiting in collectives
         # A rank that died never answers (nothing relays its death to ipyparallel): once every
         # other rank has answered, there is nothing left to wait for.
         while any(r not in self.died for r in self.unfinished()):
@@ -216,9 +218,13 @@ class Call:
                 self._watch_build()
                 next_look = now + 0.25
             if first_bad is None and (self.died or any(map(_failed, self.futures))):
-                first_bad = now
+                first_bad = next_wait = now
             if first_bad is not None and now - first_bad > ERROR_GRACE:
                 return
+            if first_bad is not None and now >= next_wait:
+                if self._all_wait_in_collectives(waiting):
+                    return
+                next_wait = time.monotonic() + ALONE_EVERY
             if partial and now >= next_alone and self.cluster.watch.set_up:
                 if self._alone_in_collective(seen):
                     return
@@ -264,6 +270,24 @@ class Call:
             else:
                 seen[r] = state.frames
         return bool(self.alone)
+
+    def _all_wait_in_collectives(self, seen: dict) -> bool:
+        """After a rank failed: whether every other unfinished rank waits in a collective, seen
+        twice in the same place. A failed rank never joins it, so :data:`ERROR_GRACE` would
+        only be waited out."""
+        live = [r for r in self.unfinished() if r not in self.died]
+        states = self.cluster.watch.sample(live)
+        still = []
+        for r, state in states.items():
+            if state.kind != "collective" or _QUERIES & {fn for _, _, fn in state.frames}:
+                seen.pop(r, None)
+                continue
+            still.append(seen.get(r) == state.frames)
+            seen[r] = state.frames
+        if live and len(still) == len(live) and all(still):
+            self.states.update(states)
+            return True
+        return False
 
     def _any_in_collective(self) -> bool:
         return any(s.kind == "collective" for s in self.states.values())
