@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -80,10 +81,13 @@ def _assert_same_run(ours: list[dict], theirs: list[dict]) -> None:
 def test_a_deepspeed_style_script_runs_unchanged_on_gas_lab():
     """Fresh processes, DeepSpeed's usual launch: ``--deepspeed_config`` read from ``args``,
     ``args.local_rank`` set, ``deepspeed.comm`` ready after ``initialize``, the engine's
-    loader and attributes; only ``--engine`` differs, and so do no numbers."""
+    loader and attributes; only ``--engine`` differs, and so do no numbers. DeepSpeed's engine
+    runs under the ``deepspeed`` launcher (the run the /dev/shm test below watches), gas_lab's
+    under torchrun."""
     flags = ["--deepspeed", "--deepspeed_config", str(CONFIG)]
     ours = _json_lines("deepspeed_style.py", *flags, "--engine", "gas_lab")
-    theirs = _json_lines("deepspeed_style.py", *flags, "--engine", "deepspeed")
+    theirs = [json.loads(ln) for ln in _under_deepspeed("deepspeed_style.py").stdout.splitlines()
+              if ln.startswith("{")]  # fmt: skip
     assert ours[-1]["engine"] == "gas_lab" and theirs[-1]["engine"] == "deepspeed"
     _assert_same_run([{k: v for k, v in r.items() if k != "engine"} for r in ours],
                      [{k: v for k, v in r.items() if k != "engine"} for r in theirs])  # fmt: skip
@@ -135,23 +139,34 @@ def test_the_script_matches_deepspeed_at_every_stage(cluster, tmp_path, stage, m
 
 
 # ------------------------------------- what the `deepspeed` launcher leaves in /dev/shm (issue 31)
-@pytest.mark.ranks
-@pytest.mark.parametrize("script", ["hello_ranks.py", "train_unmanaged.py", "deepspeed_style.py"])
-def test_a_script_under_the_deepspeed_launcher_leaves_dev_shm_as_it_found_it(script):
-    """Under ``deepspeed`` on one machine, DeepSpeed's CPU op creates one 66 MiB file per rank in
-    /dev/shm and never removes it (tutorials/scripts/shm_buffers.py says where); each script
-    removes its own. The files must appear while it runs (else this test proves nothing), and be
-    gone after it exits."""
+@dataclass
+class Launched:
+    """One script's run under the ``deepspeed`` launcher, and its /dev/shm files."""
+
+    stdout: str
+    pattern: str  # the names of this run's buffer files
+    seen: set[str]  # while it ran
+    left: list[str]  # after it exited (removed by the test)
+
+
+_LAUNCHED: dict[str, Launched] = {}
+_LAUNCHER_ARGS = {"hello_ranks.py": ["--steps", "1"], "train_unmanaged.py": ["--steps", "2"],
+                  "deepspeed_style.py": ["--deepspeed", "--deepspeed_config", str(CONFIG)]}  # fmt: skip
+
+
+def _under_deepspeed(script: str) -> Launched:
+    """Run ``script`` once per session under ``deepspeed --num_gpus 2`` (a launch is seconds of
+    start-up; two tests read this one), watching /dev/shm for its buffers while it runs."""
+    if script in _LAUNCHED:
+        return _LAUNCHED[script]
     import threading
     import time
 
     port = free_port()  # the port is in the file names: only this run's files match
     pattern = f"deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_{port}_*"
-    args = {"hello_ranks.py": ["--steps", "1"], "train_unmanaged.py": ["--steps", "2"],
-            "deepspeed_style.py": ["--deepspeed", "--deepspeed_config", str(CONFIG),
-                                   "--epochs", "1"]}[script]  # fmt: skip
     cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2",
-           "--master_port", str(port), str(ROOT / "tutorials/scripts" / script), *args]  # fmt: skip
+           "--master_port", str(port), str(ROOT / "tutorials/scripts" / script),
+           *_LAUNCHER_ARGS[script]]  # fmt: skip
     env = os.environ | {"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
     seen: set[str] = set()
     done = threading.Event()
@@ -172,5 +187,17 @@ def test_a_script_under_the_deepspeed_launcher_leaves_dev_shm_as_it_found_it(scr
         for name in left:  # never leave them to the machine, even when the test fails
             (Path("/dev/shm") / name).unlink(missing_ok=True)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert seen == {pattern.replace("*", str(rank)) for rank in (0, 1)}, seen
-    assert left == [], f"{script} left {left} in /dev/shm"
+    _LAUNCHED[script] = Launched(proc.stdout, pattern, seen, left)
+    return _LAUNCHED[script]
+
+
+@pytest.mark.ranks
+@pytest.mark.parametrize("script", list(_LAUNCHER_ARGS))
+def test_a_script_under_the_deepspeed_launcher_leaves_dev_shm_as_it_found_it(script):
+    """Under ``deepspeed`` on one machine, DeepSpeed's CPU op creates one 66 MiB file per rank in
+    /dev/shm and never removes it (tutorials/scripts/shm_buffers.py says where); each script
+    removes its own. The files must appear while it runs (else this test proves nothing), and be
+    gone after it exits."""
+    run = _under_deepspeed(script)
+    assert run.seen == {run.pattern.replace("*", str(rank)) for rank in (0, 1)}, run.seen
+    assert run.left == [], f"{script} left {run.left} in /dev/shm"
