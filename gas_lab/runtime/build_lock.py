@@ -31,6 +31,8 @@ import time
 
 import psutil
 
+from gas_lab.runtime.rank_state import COMPILERS
+
 
 def use_environment_cache() -> None:
     """Unless ``TORCH_EXTENSIONS_DIR`` is set, build DeepSpeed's ops in this environment's own
@@ -89,8 +91,6 @@ def _ninja_seconds(library: str) -> float:
 def compiling(folder: str) -> bool:
     """Whether an op's build is compiling or linking now: its library is missing, or a compiler
     runs in its folder (PyTorch runs ninja there; a load runs ninja alone, to check)."""
-    from gas_lab.runtime.rank_state import COMPILERS
-
     if not glob.glob(os.path.join(folder, "*.so")):
         return True
     for proc in psutil.process_iter(["name", "cwd"]):

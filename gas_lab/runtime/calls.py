@@ -131,15 +131,17 @@ class Call:
             log = os.path.join(os.path.dirname(held[0]), "gas_lab_build.log")
             since = self.cluster.watch.process_output()
             self.build = {"op": op, "log": log, "lock": held[0], "t0": now, "since": since}
-            folder = os.path.dirname(held[0])
             self.build["notice"] = None
-            self.build["compiling"] = lambda: build_lock.compiling(folder)
             self.out.hold()
         elif self.build is not None:
             b, seconds = self.build, now - self.build["t0"]
             if not held:
                 self._end_build()
-            elif b["notice"] is None and seconds >= QUIET_LOAD_S and b["compiling"]():
+            elif (
+                b["notice"] is None
+                and seconds >= QUIET_LOAD_S
+                and build_lock.compiling(os.path.dirname(b["lock"]))
+            ):
                 b["shown"], b["file"] = int(seconds), open(b["log"], "w")
                 b["file"].write(f"gas_lab: DeepSpeed's C++ op {b['op']}, built in ")
                 b["file"].write(f"{os.path.dirname(b['log'])}\n")
@@ -258,33 +260,33 @@ class Call:
                 deadline = now + (RESAMPLE_BUILD if building else RESAMPLE)
             time.sleep(0.05)
 
-    def _alone_in_collective(self, seen: dict) -> bool:
-        """Whether a chosen rank waits in a collective: seen twice in the same place, so that a
-        rank caught passing through (``dist.get_rank()`` lives beside the collectives) is not
-        taken for one that waits."""
-        for r, state in self.cluster.watch.sample(self.unfinished()).items():
-            if state.kind != "collective" or _QUERIES & {fn for _, _, fn in state.frames}:
-                seen.pop(r, None)
-            elif seen.get(r) == state.frames:
-                self.alone[r] = self.states[r] = state
-            else:
-                seen[r] = state.frames
-        return bool(self.alone)
-
-    def _all_wait_in_collectives(self, seen: dict) -> bool:
-        """After a rank failed: whether every other unfinished rank waits in a collective, seen
-        twice in the same place. A failed rank never joins it, so :data:`ERROR_GRACE` would
-        only be waited out."""
-        live = [r for r in self.unfinished() if r not in self.died]
-        states = self.cluster.watch.sample(live)
-        still = []
+    @staticmethod
+    def _seen_waiting(states: dict, seen: dict) -> set[int]:
+        """The ranks of ``states`` seen twice in the same collective (``seen``: each one's last
+        place): a rank passing through (``dist.get_rank()`` lives beside them) does not wait."""
+        waiting = set()
         for r, state in states.items():
             if state.kind != "collective" or _QUERIES & {fn for _, _, fn in state.frames}:
                 seen.pop(r, None)
                 continue
-            still.append(seen.get(r) == state.frames)
+            if seen.get(r) == state.frames:
+                waiting.add(r)
             seen[r] = state.frames
-        if live and len(still) == len(live) and all(still):
+        return waiting
+
+    def _alone_in_collective(self, seen: dict) -> bool:
+        """Whether a chosen rank waits in a collective (:meth:`_seen_waiting`)."""
+        states = self.cluster.watch.sample(self.unfinished())
+        for r in self._seen_waiting(states, seen):
+            self.alone[r] = self.states[r] = states[r]
+        return bool(self.alone)
+
+    def _all_wait_in_collectives(self, seen: dict) -> bool:
+        """After a rank failed: whether every other unfinished rank waits in a collective, which
+        the failed rank never joins (:data:`ERROR_GRACE` would only be waited out)."""
+        live = [r for r in self.unfinished() if r not in self.died]
+        states = self.cluster.watch.sample(live)
+        if live and self._seen_waiting(states, seen) == set(live):
             self.states.update(states)
             return True
         return False

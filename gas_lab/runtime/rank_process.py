@@ -6,8 +6,8 @@ on a laptop core); on CPU ranks DeepSpeed's imports follow (2.8 CPU-seconds more
 :data:`~gas_lab.runtime.fresh.RANK_IMPORTS`). The cluster (:mod:`~gas_lab.runtime.cluster`)
 starts this program once; after the imports it forks ``GAS_LAB_RANKS`` ranks, so the import runs
 once per cluster, not once per rank, and the ranks share its memory pages until they write to
-them. It starts at the same time
-as ipyparallel's controller, so the imports overlap the controller's own start-up.
+them. It starts at the same time as ipyparallel's controller, so the imports overlap the
+controller's own start-up.
 
 The first process stays the ranks' parent and does nothing else: it collects each rank that
 ends, at once (so none lingers as a zombie), writes how it ended to ``exit-<pid>`` in the
