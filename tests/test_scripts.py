@@ -14,22 +14,9 @@ from gas_lab.runtime.fresh import free_port
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def torchrun(script: str, *args: str, nproc: int = 2, timeout: int = 180) -> dict:
+def torchrun(script: str, *args: str) -> dict:
     """Run a tutorial script under torchrun and return rank 0's last JSON line."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={nproc}",
-        str(ROOT / "tutorials/scripts" / script),
-        *args,
-    ]
-    env = os.environ | {"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    return json.loads(lines[-1])
+    return _json_lines(script, *args)[-1]
 
 
 @pytest.mark.ranks
@@ -59,7 +46,12 @@ def _json_lines(script: str, *args: str) -> list[dict]:
     env = os.environ | {"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return [json.loads(ln) for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    return _json_of(proc.stdout)
+
+
+def _json_of(stdout: str) -> list[dict]:
+    """The JSON lines of a script's output (rank 0 prints them)."""
+    return [json.loads(ln) for ln in stdout.splitlines() if ln.startswith("{")]
 
 
 def _assert_same_run(ours: list[dict], theirs: list[dict]) -> None:
@@ -86,8 +78,7 @@ def test_a_deepspeed_style_script_runs_unchanged_on_gas_lab():
     under torchrun."""
     flags = ["--deepspeed", "--deepspeed_config", str(CONFIG)]
     ours = _json_lines("deepspeed_style.py", *flags, "--engine", "gas_lab")
-    theirs = [json.loads(ln) for ln in _under_deepspeed("deepspeed_style.py").stdout.splitlines()
-              if ln.startswith("{")]  # fmt: skip
+    theirs = _json_of(_under_deepspeed("deepspeed_style.py").stdout)
     assert ours[-1]["engine"] == "gas_lab" and theirs[-1]["engine"] == "deepspeed"
     _assert_same_run([{k: v for k, v in r.items() if k != "engine"} for r in ours],
                      [{k: v for k, v in r.items() if k != "engine"} for r in theirs])  # fmt: skip
