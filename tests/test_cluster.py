@@ -75,7 +75,7 @@ def _fail_before_collective():
 
 
 def test_a_failed_rank_does_not_leave_the_others_hanging(cluster):
-    old = list(cluster.pids)
+    old, kept = list(cluster.pids), _controller_and_parent(cluster)
     t0 = time.monotonic()
     with pytest.raises(RankError) as info:
         cluster.run(_fail_before_collective, timeout=60)
@@ -88,7 +88,15 @@ def test_a_failed_rank_does_not_leave_the_others_hanging(cluster):
     waited = elapsed - cluster.startup_seconds
     assert waited < ERROR_GRACE, f"{waited:.1f} s before the restart"
     assert not any(psutil.pid_exists(p) for p in old)
+    # only the ranks were restarted: the same parent forked new ones, the same controller
+    assert _controller_and_parent(cluster) == kept and set(cluster.pids).isdisjoint(old)
     assert cluster.run(_env_and_allreduce, 0)[1]["sum"] == 1.0
+
+
+def _controller_and_parent(cluster) -> tuple[int, int]:
+    from gas_lab.runtime.watch import engine_launchers
+
+    return cluster._ipp.controller.pid, engine_launchers(cluster._ipp)[0].pid
 
 
 def _stall_on_rank_zero():
@@ -255,8 +263,10 @@ def test_no_process_survives_stop_or_exit(end):
 def test_one_notebooks_ranks_are_six_light_processes(cluster):
     """2 ranks and the process that forked them (rank_process.py), ipyparallel's controller (its
     schedulers are threads) with its heart monitor, and the guardian: one notebook's whole cost
-    on a laptop."""
-    procs = psutil.Process().children(recursive=True)
+    on a laptop. (A test's own processes, such as the fresh-rank forker, are not counted.)"""
+    from gas_lab.runtime.lifetime import cluster_processes
+
+    procs = [*cluster_processes(cluster.cluster_id), psutil.Process(cluster._guardian.pid)]
     names = sorted(" ".join(p.cmdline()[1:3]) for p in procs)
     assert len(procs) == 6, names
     assert sum("rank_process" in n for n in names) == 3 and sum("lifetime" in n for n in names) == 1

@@ -29,9 +29,10 @@ def test_a_failed_start_leaves_no_process_and_no_folder():
 
 _ORPHANS = """
 import gas_lab, json, sys
+from gas_lab.runtime.watch import engine_launchers
 c = gas_lab.start_cluster(world_size=2, device="cpu")
-print(json.dumps({"id": c.cluster_id, "guardian": c._guardian.pid, "tmp": c._tmp, "ranks": c.pids}),
-      flush=True)
+print(json.dumps({"id": c.cluster_id, "guardian": c._guardian.pid, "tmp": c._tmp, "ranks": c.pids,
+                  "parent": engine_launchers(c._ipp)[0].pid}), flush=True)
 sys.stdin.read()
 """
 
@@ -51,8 +52,8 @@ def test_a_new_start_ends_what_a_dead_kernel_and_its_guardian_left():
     os.kill(info["guardian"], signal.SIGKILL)
     proc.kill()
     proc.wait()
-    time.sleep(3)  # each rank's own watch thread notices within a second
-    assert not {p.pid for p in _marked(info["id"])} & set(info["ranks"])
+    time.sleep(3)  # each rank's own watch thread notices within a second, and their parent
+    assert not {p.pid for p in _marked(info["id"])} & {*info["ranks"], info["parent"]}
     # The controller had no one to end it: the sweep every start_cluster runs does. (Under
     # `make test`'s workers, a start on another worker may have swept it already.)
     lifetime.end_orphans()

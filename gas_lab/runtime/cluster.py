@@ -27,9 +27,7 @@ ends with the kernel, however the kernel ends (:mod:`~gas_lab.runtime.lifetime`)
 from __future__ import annotations
 
 import atexit
-import logging
 import os
-import sys
 import tempfile
 import time
 
@@ -42,6 +40,7 @@ from gas_lab.runtime.arguments import (
 )
 from gas_lab.runtime.calls import Call
 from gas_lab.runtime.fresh import free_port
+from gas_lab.runtime.launch import fork_again, rank_env, start_processes
 from gas_lab.runtime.magic import register_magic
 from gas_lab.runtime.notices import notice
 from gas_lab.runtime.on_rank import call_on_rank, exec_on_rank, remember_source, setup_rank
@@ -53,33 +52,6 @@ from gas_lab.runtime.values import show_values
 from gas_lab.runtime.watch import RankWatch, engine_launchers
 
 DEFAULT_TIMEOUT = 60.0  # seconds a call may run before its unfinished ranks count as stalled
-# ipyparallel's hub admits a new engine only at a heartbeat after the engine first answered one:
-# with its default 3 s period, start-up waited 3-6 s for no reason. A fast period admits the
-# ranks within a fraction of a second; the number of missed beats tolerated is raised with it so
-# an engine (or the controller) still counts as gone only after 30 s of silence, as before.
-_HEARTBEAT_MS = 100
-_CONTROLLER_ARGS = [
-    f"--HeartMonitor.period={_HEARTBEAT_MS}",
-    f"--HeartMonitor.max_heartmonitor_misses={30_000 // _HEARTBEAT_MS}",
-    # ipyparallel's schedulers (hub, queues, broadcast tree: 8 processes by default) as threads
-    # of the controller: 2 ranks talk to one notebook, nothing to spread over cores.
-    "--IPController.use_threads=True",
-]
-_ENGINE_ARGS = [
-    f"--IPEngine.max_heartbeat_misses={30_000 // (_HEARTBEAT_MS + 500)}",
-    # ipyparallel's "nanny" (one more Python process per rank, started while the rank registers)
-    # relays signals and deaths through the controller; the runtime signals ranks by pid and
-    # watches them itself, so it is not needed.
-    "--IPEngine.enable_nanny=False",
-    # A rank starts before the controller has written its connection file (below) and waits for
-    # it; a loaded machine can take seconds to start the controller.
-    "--IPEngine.wait_for_url_file=120",
-]
-_RANK_CMD = [sys.executable, "-m", "gas_lab.runtime.rank_process"]
-# One process is started, imports torch and forks the ranks (rank_process.py). Linux only:
-# elsewhere forking a process that has imported torch is not known to be safe (macOS), or
-# impossible (Windows), and every rank is started and imports torch itself.
-_FORK_RANKS = sys.platform == "linux"
 
 
 def _listed(ranks: list[int]) -> str:
@@ -110,9 +82,6 @@ class Cluster:
             raise
 
     def _start(self) -> Cluster:
-        import ipyparallel as ipp
-        from traitlets.config import Config
-
         t0 = time.perf_counter()
         self.stopped_by_user = False
         self.master_port = free_port()
@@ -124,51 +93,25 @@ class Cluster:
             f.write(os.path.basename(os.environ.get("JPY_SESSION_NAME", "")))
         self._guardian = lifetime.start_guardian(self.cluster_id, self._tmp)
         marker = {lifetime.MARKER: self.cluster_id}
-        env = {
-            "WORLD_SIZE": str(self.world_size),
-            "LOCAL_WORLD_SIZE": str(self.world_size),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(self.master_port),
-            # Share the cores instead of every rank spawning one thread per core.
-            "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // self.world_size)),
-            "PYTHONUNBUFFERED": "1",
-            "GAS_LAB_RANKS": str(self.world_size) if _FORK_RANKS else "",
-            "GAS_LAB_RANKS_DIR": self._tmp,  # where their parent notes how each rank ended
-            **marker,
-        }
-        if self.backend == "gloo":
-            # CPU ranks even on a GPU machine: hide the GPUs so every layer agrees.
-            env.update(DS_ACCELERATOR="cpu", GLOO_SOCKET_IFNAME="lo", CUDA_VISIBLE_DEVICES="")
-        else:
-            # A notebook (or make) that set DS_ACCELERATOR=cpu must not leak it into GPU ranks.
-            env.update(DS_ACCELERATOR="cuda")
-        self._ipp = ipp.Cluster(
-            n=self.world_size,
-            controller_ip="127.0.0.1",
-            log_level=logging.ERROR,  # engines exit non-zero when stopped; that is not news
-            cluster_id=self.cluster_id,
-            # Connection files and logs in our own folder, removed with it; our stop is fast
-            # (a kill), so ipyparallel's own stop at exit (seconds) is not wanted.
-            profile_dir=os.path.join(self._tmp, "profile"),
-            shutdown_atexit=False,
-            controller_args=_CONTROLLER_ARGS,
-            # The ranks' parent starts together with the controller and imports torch while it
-            # starts, then forks the ranks (rank_process.py); each waits for the controller's
-            # connection file itself.
-            send_engines_connection_env=False,
-            config=Config(
-                LocalEngineSetLauncher={"engine_cmd": _RANK_CMD, "engine_args": _ENGINE_ARGS}
-            ),
-        )
-        self._ipp.start_controller_sync(environment=marker)
-        self._ipp.start_engines_sync(1 if _FORK_RANKS else self.world_size, environment=env)
+        env = rank_env(self.world_size, self.backend, self.master_port, self._tmp, marker)
+        self._ipp = start_processes(self.cluster_id, self._tmp, self.world_size, env, marker)
         # ipyparallel waits 10 s for the hub's first answer; a controller still starting on a
         # loaded machine (3 test workers, a C++ build) missed that once in 6 runs.
         self._client = self._ipp.connect_client_sync(timeout=120)
-        self._client.wait_for_engines(self.world_size, timeout=120, interactive=False)
-        self._engines = sorted(self._client.ids)[: self.world_size]  # rank r -> engine id
+        return self._set_up(t0, old=set())
+
+    def _set_up(self, t0: float, old: set) -> Cluster:
+        """Once the rank processes run: wait for them as engines (those not in ``old``), then
+        join them in a process group (a new file store for each set of ranks)."""
+        deadline = time.monotonic() + 120
+        while len(new := set(self._client.ids) - old) < self.world_size:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.world_size} ranks did not register within 120 s")
+            time.sleep(0.05)
+        self._engines = sorted(new)[: self.world_size]  # rank r -> engine id
         self._client[self._engines].use_cloudpickle()  # ship functions defined in the notebook
-        args = (os.path.join(self._tmp, "store"), self.pg_timeout, self._tmp, self.cluster_id)
+        store = os.path.join(self._tmp, f"store-{self._engines[0]}")
+        args = (store, self.pg_timeout, self._tmp, self.cluster_id)
         futures = [
             self._view(r).apply_async(call_on_rank, setup_rank, (r, *args), {}) for r in self.ranks
         ]
@@ -205,6 +148,14 @@ class Cluster:
             build_lock.clear_stale_locks()
 
     def restart(self) -> Cluster:
+        """Fresh ranks: forked anew by their parent while it and the controller run (about a
+        second, :func:`~gas_lab.runtime.launch.fork_again`), else everything started anew."""
+        t0, old = time.perf_counter(), set(self._client.ids) if self._client else set()
+        if self._ipp is not None and fork_again(self._ipp, self.pids, self._tmp):
+            try:
+                return self._set_up(t0, old)
+            except Exception:
+                pass  # the new ranks did not start: start everything anew
         self._end()
         return self.start()
 

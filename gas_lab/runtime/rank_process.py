@@ -10,8 +10,11 @@ them. It starts at the same time as ipyparallel's controller, so the imports ove
 controller's own start-up.
 
 The first process stays the ranks' parent and does nothing else: it collects each rank that
-ends, at once (so none lingers as a zombie), writes how it ended to ``exit-<pid>`` in the
-cluster's folder, where the notebook reads it, and exits after the last one.
+ends, at once (so none lingers as a zombie), and writes how it ended to ``exit-<pid>`` in the
+cluster's folder, where the notebook reads it. When the notebook restarts the ranks it kills
+them and sends this parent ``SIGUSR1``: the parent forks a new set from its untouched imports
+(about a second, instead of a new controller and new imports). It ends with the notebook's
+kernel, or when the cluster is stopped.
 """
 
 from __future__ import annotations
@@ -19,11 +22,18 @@ from __future__ import annotations
 import os
 import signal
 
-import torch.distributed  # noqa: F401  (the slow import every rank needs for setup_rank)
-from ipyparallel.engine.app import main
+# Blocked from the start, so that no thread an import starts receives them: the parent waits
+# for them (below); each rank unblocks them again.
+_WAITED = {signal.SIGCHLD, signal.SIGUSR1}
+if os.environ.get("GAS_LAB_RANKS"):
+    signal.pthread_sigmask(signal.SIG_BLOCK, _WAITED)
 
-import gas_lab.dp  # noqa: F401
-from gas_lab.runtime.fresh import preload
+import torch.distributed  # noqa: E402, F401  (the slow import every rank needs for setup_rank)
+from ipyparallel.engine.app import main  # noqa: E402
+
+import gas_lab.dp  # noqa: E402, F401
+from gas_lab.runtime.fresh import preload  # noqa: E402
+from gas_lab.runtime.lifetime import MARKER, owner_alive  # noqa: E402
 
 if os.environ.get("DS_ACCELERATOR") == "cpu":
     # DeepSpeed and the two modules its first initialize imports lazily, once for every rank:
@@ -33,17 +43,43 @@ if os.environ.get("DS_ACCELERATOR") == "cpu":
     preload()
 
 
-def fork_ranks(n: int, folder: str) -> None:
-    """Fork ``n`` ranks, each of which returns from here; the first process never returns."""
+def _forked(n: int) -> bool:
+    """Fork ``n`` ranks; True in each of them (it becomes an engine), False in the parent."""
     for _ in range(n):
         if os.fork() == 0:
-            return  # a rank: it becomes an engine
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Kernel -> Interrupt is for the ranks
-    for _ in range(n):
-        pid, status = os.wait()
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, _WAITED)
+            return True
+    return False
+
+
+def _collect(folder: str) -> None:
+    """Collect every rank that has ended, noting how it ended (negative: the signal)."""
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
         with open(os.path.join(folder, f"exit-{pid}"), "w") as f:
-            f.write(str(os.waitstatus_to_exitcode(status)))  # negative: the signal
-    os._exit(0)
+            f.write(str(os.waitstatus_to_exitcode(status)))
+
+
+def fork_ranks(n: int, folder: str) -> None:
+    """Fork ``n`` ranks, each of which returns from here; the parent returns only in the ranks
+    it forks again on ``SIGUSR1``, and exits once the notebook's kernel has gone."""
+    if _forked(n):
+        return
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Kernel -> Interrupt is for the ranks
+    cluster = os.environ.get(MARKER, "")
+    while True:
+        got = signal.sigtimedwait(_WAITED, 1.0)  # None each second: is the kernel still there?
+        _collect(folder)
+        if got is not None and got.si_signo == signal.SIGUSR1 and _forked(n):
+            return
+        if got is None and cluster and not owner_alive(cluster):
+            os._exit(0)  # what the guardian would do, had it been killed with the kernel
 
 
 if __name__ == "__main__":
