@@ -23,9 +23,9 @@ import os
 import signal
 
 # Blocked from the start, so that no thread an import starts receives them: the parent waits
-# for them (below); each rank unblocks them again.
-_WAITED = {signal.SIGCHLD, signal.SIGUSR1}
-if os.environ.get("GAS_LAB_RANKS"):
+# for them (below); each rank unblocks them again. Only where ranks are forked (Linux).
+_WAITED = {signal.SIGCHLD, signal.SIGUSR1} if os.environ.get("GAS_LAB_RANKS") else set()
+if _WAITED:
     signal.pthread_sigmask(signal.SIG_BLOCK, _WAITED)
 
 import torch.distributed  # noqa: E402, F401  (the slow import every rank needs for setup_rank)
