@@ -3,6 +3,7 @@
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -14,7 +15,7 @@ import torch
 import gas_lab
 from gas_lab.runtime.calls import ERROR_GRACE
 from gas_lab.runtime.cluster import RankError, RankStallError
-from gas_lab.runtime.lifetime import run_command
+from gas_lab.runtime.lifetime import cluster_processes, run_command, running
 
 pytestmark = pytest.mark.ranks
 
@@ -88,8 +89,24 @@ def test_a_failed_rank_does_not_leave_the_others_hanging(cluster):
     waited = elapsed - cluster.startup_seconds
     assert waited < ERROR_GRACE, f"{waited:.1f} s before the restart"
     assert not any(psutil.pid_exists(p) for p in old)
-    # only the ranks were restarted: the same parent forked new ones, the same controller
+    # only the ranks were restarted: the same parent forked new ones, the same controller, and
+    # nothing of the old ranks is left (controller and heart monitor, parent, 2 ranks)
     assert _controller_and_parent(cluster) == kept and set(cluster.pids).isdisjoint(old)
+    assert len(cluster_processes(cluster.cluster_id)) == 5
+    assert cluster.run(_env_and_allreduce, 0)[1]["sum"] == 1.0
+
+
+def test_without_the_ranks_parent_a_restart_starts_everything_anew(cluster):
+    """The parent gone (killed, say, by the out-of-memory killer): a failed call still ends with
+    working ranks, started anew with their own controller, not after a long wait."""
+    controller, parent = _controller_and_parent(cluster)
+    os.kill(parent, signal.SIGKILL)  # the ranks it forked run on, until the restart
+    t0 = time.monotonic()
+    with pytest.raises(RankError):
+        cluster.run(_fail_before_collective, timeout=60)
+    assert time.monotonic() - t0 < 30
+    now = _controller_and_parent(cluster)
+    assert now[0] != controller and now[1] != parent and not running(parent)
     assert cluster.run(_env_and_allreduce, 0)[1]["sum"] == 1.0
 
 
@@ -264,8 +281,6 @@ def test_one_notebooks_ranks_are_six_light_processes(cluster):
     """2 ranks and the process that forked them (rank_process.py), ipyparallel's controller (its
     schedulers are threads) with its heart monitor, and the guardian: one notebook's whole cost
     on a laptop. (A test's own processes, such as the fresh-rank forker, are not counted.)"""
-    from gas_lab.runtime.lifetime import cluster_processes
-
     procs = [*cluster_processes(cluster.cluster_id), psutil.Process(cluster._guardian.pid)]
     names = sorted(" ".join(p.cmdline()[1:3]) for p in procs)
     assert len(procs) == 6, names

@@ -56,9 +56,9 @@ EXAMPLES = {
     ),
     "interrupted in a collective": RankInterrupt(
         f"Interrupted: {IN_ALL_REDUCE} and cannot be stopped there, so the ranks were restarted "
-        "(9.4 s); variables on the ranks are lost.",
+        "(0.8 s); variables on the ranks are lost.",
         True,
-        9.4,
+        0.8,
     ),
 }  # fmt: skip
 

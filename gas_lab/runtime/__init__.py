@@ -2,6 +2,8 @@
 
 * :mod:`~gas_lab.runtime.cluster`: :func:`start_cluster`, ``cluster.run(fn)``, ``%%ranks``.
 * :mod:`~gas_lab.runtime.on_rank`: what runs inside each rank process.
+* :mod:`~gas_lab.runtime.launch`: the controller and the ranks' parent started; a restart
+  forks only the ranks anew (:mod:`~gas_lab.runtime.rank_process`: that parent).
 * :mod:`~gas_lab.runtime.calls`: one call on the ranks: bounded waits, interrupts, the outcome.
 * :mod:`~gas_lab.runtime.rank_errors`: the errors a failed, stalled or interrupted call raises.
 * :mod:`~gas_lab.runtime.rank_state`, :mod:`~gas_lab.runtime.watch`: what an unfinished rank is

@@ -27,6 +27,7 @@ ends with the kernel, however the kernel ends (:mod:`~gas_lab.runtime.lifetime`)
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import tempfile
 import time
@@ -100,13 +101,15 @@ class Cluster:
         self._client = self._ipp.connect_client_sync(timeout=120)
         return self._set_up(t0, old=set())
 
-    def _set_up(self, t0: float, old: set) -> Cluster:
+    def _set_up(self, t0: float, old: set, wait: float = 120) -> Cluster:
         """Once the rank processes run: wait for them as engines (those not in ``old``), then
         join them in a process group (a new file store for each set of ranks)."""
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + wait
         while len(new := set(self._client.ids) - old) < self.world_size:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{self.world_size} ranks did not register within 120 s")
+            launchers = engine_launchers(self._ipp)
+            gone = not all(lifetime.running(e.pid) for e in launchers)
+            if gone or not self._ipp.controller.running or time.monotonic() > deadline:
+                raise TimeoutError(f"{self.world_size} ranks did not register as engines")
             time.sleep(0.05)
         self._engines = sorted(new)[: self.world_size]  # rank r -> engine id
         self._client[self._engines].use_cloudpickle()  # ship functions defined in the notebook
@@ -121,6 +124,9 @@ class Cluster:
         )
         infos = Call(self, futures, timeout=120, what="start-up", restart=False).result()
         self.watch.ranks_set_up([i["pid"] for i in infos])
+        for i in infos:  # a pid an earlier rank of this cluster had: its exit note is not theirs
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(self._tmp, f"exit-{i['pid']}"))
         self.startup_seconds = time.perf_counter() - t0
         return self
 
@@ -151,11 +157,16 @@ class Cluster:
         """Fresh ranks: forked anew by their parent while it and the controller run (about a
         second, :func:`~gas_lab.runtime.launch.fork_again`), else everything started anew."""
         t0, old = time.perf_counter(), set(self._client.ids) if self._client else set()
-        if self._ipp is not None and fork_again(self._ipp, self.pids, self._tmp):
+        if self._ipp is not None and fork_again(self._ipp, self.cluster_id, self._tmp):
+            last_error = self.last_error
             try:
-                return self._set_up(t0, old)
-            except Exception:
-                pass  # the new ranks did not start: start everything anew
+                return self._set_up(t0, old, wait=30)
+            except Exception as exc:  # e.g. the parent died: start everything anew
+                self.last_error = last_error
+                notice(f"the ranks' parent did not start new ranks ({exc}); starting anew")
+            except BaseException:  # an interrupt: nothing half-started is kept
+                self._end()
+                raise
         self._end()
         return self.start()
 

@@ -2,18 +2,20 @@
 (:mod:`~gas_lab.runtime.rank_process`), which imports torch once and forks the ranks; and how
 the ranks alone start again, forked anew by that parent, when a call has to restart them.
 
-A restart after a failed or stalled call kills only the ranks: the controller and the parent
-hold nothing a failure can spoil (the parent never runs the learner's code), so the parent forks
-a new set from its imports. That takes about a second, where a new controller and new imports
-took five; the checker restarts the ranks for every case that raises or hangs.
+A restart (after a rank died, stalled, or was left waiting in a collective) kills only the
+ranks: the controller and the parent hold nothing a failure can spoil (the parent never runs the
+learner's code), so the parent forks a new set from its imports. On Linux that takes about a
+second, where a new controller and new imports took five; elsewhere, and whenever the parent
+does not answer, everything starts anew.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import signal
 import sys
+
+import psutil
 
 from gas_lab.runtime import build_lock, lifetime
 from gas_lab.runtime.watch import engine_launchers
@@ -45,6 +47,7 @@ _RANK_CMD = [sys.executable, "-m", "gas_lab.runtime.rank_process"]
 # elsewhere forking a process that has imported torch is not known to be safe (macOS), or
 # impossible (Windows), and every rank is started and imports torch itself.
 FORK_RANKS = sys.platform == "linux"
+FORK_PIPE = "fork"  # the parent's named pipe in the cluster's folder: a byte asks for new ranks
 
 
 def rank_env(world_size: int, backend: str, master_port: int, tmp: str, marker: dict) -> dict:
@@ -98,18 +101,28 @@ def start_processes(cluster_id: str, tmp: str, world_size: int, env: dict, marke
     return cluster
 
 
-def fork_again(ipp_cluster, rank_pids: list[int], tmp: str) -> bool:
-    """Kill the ranks and have their parent fork new ones, which register as new engines; False
-    (nothing done) unless the parent and the controller still run."""
-    launchers = engine_launchers(ipp_cluster) if FORK_RANKS else []
-    parent = launchers[0].pid if len(launchers) == 1 else None
-    if not (parent and lifetime.running(parent) and ipp_cluster.controller.running):
+def fork_again(ipp_cluster, cluster_id: str, tmp: str) -> bool:
+    """Kill the ranks and ask their parent for new ones, which register as new engines; False
+    (nothing done) where no parent listens on the cluster's pipe or the controller has ended."""
+    if not (FORK_RANKS and ipp_cluster.controller.running):
         return False
-    lifetime.end_processes(lifetime.processes(rank_pids))
-    if build_lock.locks():  # a rank killed while it built or loaded an op leaves its lock
-        build_lock.clear_stale_locks()
-    for name in os.listdir(tmp):  # the dead ranks' stacks and crash reports
-        if name.startswith(("stack-", "crash-")):
-            os.remove(os.path.join(tmp, name))
-    os.kill(parent, signal.SIGUSR1)
-    return True
+    try:  # fails (ENXIO) unless the parent is there, reading the pipe
+        ask = os.open(os.path.join(tmp, FORK_PIPE), os.O_WRONLY | os.O_NONBLOCK)
+    except OSError:
+        return False
+    try:
+        parent = psutil.Process(engine_launchers(ipp_cluster)[0].pid)
+        if parent.environ().get(lifetime.MARKER) != cluster_id:
+            return False  # not this cluster's process (a reused pid)
+        lifetime.end_processes(parent.children(recursive=True))  # every rank it forked
+        if build_lock.locks():  # a rank killed while it built or loaded an op leaves its lock
+            build_lock.clear_stale_locks()
+        for name in os.listdir(tmp):  # the dead ranks' stacks and crash reports
+            if name.startswith(("stack-", "crash-")):
+                os.remove(os.path.join(tmp, name))
+        os.write(ask, b"f")
+        return True
+    except (OSError, IndexError, psutil.Error):
+        return False
+    finally:
+        os.close(ask)

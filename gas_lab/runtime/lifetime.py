@@ -13,6 +13,9 @@ none of the signals a kernel receives reaches them. Three layers make sure they 
 * :func:`end_orphans`, called by every ``start_cluster``, ends what an earlier kernel left
   behind if its guardian was killed too.
 
+The ranks and their parent also watch the kernel themselves, each second, and end once it is
+gone (on_rank.py, rank_process.py).
+
 ipyparallel's own ``Cluster`` ends its processes on a clean shutdown only: started in a kernel
 that is then shut down "now" (or killed), all 13 of its processes (controller and schedulers, 2
 engines, 2 nannies) were still running 5 s later (measured, ipyparallel 9.2).

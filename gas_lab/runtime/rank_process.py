@@ -11,29 +11,25 @@ controller's own start-up.
 
 The first process stays the ranks' parent and does nothing else: it collects each rank that
 ends, at once (so none lingers as a zombie), and writes how it ended to ``exit-<pid>`` in the
-cluster's folder, where the notebook reads it. When the notebook restarts the ranks it kills
-them and sends this parent ``SIGUSR1``: the parent forks a new set from its untouched imports
-(about a second, instead of a new controller and new imports). It ends with the notebook's
-kernel, or when the cluster is stopped.
+cluster's folder, where the notebook reads it. To restart the ranks the notebook kills them and
+writes to the parent's pipe, ``fork`` in that folder (:func:`~gas_lab.runtime.launch.fork_again`):
+the parent forks a new set from its untouched imports, in about a second instead of a new
+controller and new imports. It ends with the notebook's kernel, or when the cluster is stopped.
 """
 
 from __future__ import annotations
 
 import os
+import select
 import signal
 
-# Blocked from the start, so that no thread an import starts receives them: the parent waits
-# for them (below); each rank unblocks them again. Only where ranks are forked (Linux).
-_WAITED = {signal.SIGCHLD, signal.SIGUSR1} if os.environ.get("GAS_LAB_RANKS") else set()
-if _WAITED:
-    signal.pthread_sigmask(signal.SIG_BLOCK, _WAITED)
+import torch.distributed  # noqa: F401  (the slow import every rank needs for setup_rank)
+from ipyparallel.engine.app import main
 
-import torch.distributed  # noqa: E402, F401  (the slow import every rank needs for setup_rank)
-from ipyparallel.engine.app import main  # noqa: E402
-
-import gas_lab.dp  # noqa: E402, F401
-from gas_lab.runtime.fresh import preload  # noqa: E402
-from gas_lab.runtime.lifetime import MARKER, owner_alive  # noqa: E402
+import gas_lab.dp  # noqa: F401
+from gas_lab.runtime.fresh import preload
+from gas_lab.runtime.launch import FORK_PIPE
+from gas_lab.runtime.lifetime import MARKER, owner_alive
 
 if os.environ.get("DS_ACCELERATOR") == "cpu":
     # DeepSpeed and the two modules its first initialize imports lazily, once for every rank:
@@ -43,12 +39,15 @@ if os.environ.get("DS_ACCELERATOR") == "cpu":
     preload()
 
 
-def _forked(n: int) -> bool:
+def _forked(n: int, keep: list[int]) -> bool:
     """Fork ``n`` ranks; True in each of them (it becomes an engine), False in the parent."""
     for _ in range(n):
-        if os.fork() == 0:
+        if os.fork() == 0:  # a rank: none of the parent's waiting is its business
+            signal.set_wakeup_fd(-1)
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
             signal.signal(signal.SIGINT, signal.default_int_handler)
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, _WAITED)
+            for fd in keep:
+                os.close(fd)
             return True
     return False
 
@@ -68,17 +67,30 @@ def _collect(folder: str) -> None:
 
 def fork_ranks(n: int, folder: str) -> None:
     """Fork ``n`` ranks, each of which returns from here; the parent returns only in the ranks
-    it forks again on ``SIGUSR1``, and exits once the notebook's kernel has gone."""
-    if _forked(n):
+    it forks again when asked, and exits once the notebook's kernel has gone."""
+    pipe = os.path.join(folder, FORK_PIPE)
+    os.mkfifo(pipe)
+    # Read end, and a write end of its own so the pipe never reads as closed between requests.
+    requests = os.open(pipe, os.O_RDONLY | os.O_NONBLOCK)
+    keep_open = os.open(pipe, os.O_WRONLY)
+    # A rank's end wakes the select below at once: SIGCHLD writes a byte to ``wake``.
+    wake, woken = os.pipe()
+    os.set_blocking(woken, False)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    signal.set_wakeup_fd(woken)
+    fds = [requests, keep_open, wake, woken]
+    if _forked(n, fds):
         return
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Kernel -> Interrupt is for the ranks
     cluster = os.environ.get(MARKER, "")
     while True:
-        got = signal.sigtimedwait(_WAITED, 1.0)  # None each second: is the kernel still there?
+        ready, _, _ = select.select([requests, wake], [], [], 1.0)
+        if wake in ready:
+            os.read(wake, 512)
         _collect(folder)
-        if got is not None and got.si_signo == signal.SIGUSR1 and _forked(n):
+        if requests in ready and os.read(requests, 512) and _forked(n, fds):
             return
-        if got is None and cluster and not owner_alive(cluster):
+        if not ready and cluster and not owner_alive(cluster):
             os._exit(0)  # what the guardian would do, had it been killed with the kernel
 
 

@@ -22,8 +22,8 @@ def engine_launchers(ipp_cluster) -> list:
 
 class RankWatch:
     """The ranks of one start of a :class:`~gas_lab.runtime.cluster.Cluster`, watched from
-    outside: ``cluster.watch``, made by ``start()`` once the rank processes are started, and
-    dropped (None) when they end.
+    outside: ``cluster.watch``, made once the rank processes are started (at every start and
+    restart), and dropped (None) when the cluster ends.
 
     It is given what it reads: ``folder``, the ranks' folder (where each rank writes its stack
     and crash report, and their parent how each rank ended); ``launchers``, a function returning
