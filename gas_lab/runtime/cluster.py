@@ -150,8 +150,7 @@ class Cluster:
         lifetime.end_cluster(self.cluster_id, self._tmp, self.pids)
         lifetime.stop_guardian(self._guardian)
         self._ipp = self._client = self._guardian = self.watch = None
-        if build_lock.locks():  # a rank killed while it built or loaded an op leaves its lock
-            build_lock.clear_stale_locks()
+        build_lock.clear_stale_locks()  # a rank killed while it built or loaded an op leaves its lock
 
     def restart(self) -> Cluster:
         """Fresh ranks: forked anew by their parent while it and the controller run (about a
@@ -341,8 +340,7 @@ def start_cluster(
     ended = lifetime.end_orphans()
     if ended:
         notice(f"ended {ended} processes an earlier kernel left running")
-    if build_lock.locks():
-        build_lock.clear_stale_locks()
+    build_lock.clear_stale_locks()
     if not stop_others:
         name_others()
     _current = Cluster(world_size, backend).start()

@@ -115,8 +115,7 @@ def fork_again(ipp_cluster, cluster_id: str, tmp: str) -> bool:
         if parent.environ().get(lifetime.MARKER) != cluster_id:
             return False  # not this cluster's process (a reused pid)
         lifetime.end_processes(parent.children(recursive=True))  # every rank it forked
-        if build_lock.locks():  # a rank killed while it built or loaded an op leaves its lock
-            build_lock.clear_stale_locks()
+        build_lock.clear_stale_locks()  # a rank killed while it built or loaded an op leaves its lock
         for name in os.listdir(tmp):  # the dead ranks' stacks and crash reports
             if name.startswith(("stack-", "crash-")):
                 os.remove(os.path.join(tmp, name))

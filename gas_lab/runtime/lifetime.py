@@ -139,20 +139,15 @@ def running(p: psutil.Process | int | None) -> bool:
 
 def end_cluster(cluster_id: str, tmp: str | None, pids: list[int] = ()) -> None:
     """End every process of one cluster (marked, or listed in ``pids``) and remove its folder."""
-    end_processes(_marked().get(cluster_id, []) + processes(pids))
-    if tmp:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def processes(pids: list[int]) -> list[psutil.Process]:
-    """The processes of ``pids`` that still exist."""
-    procs = []
+    procs = _marked().get(cluster_id, [])
     for pid in pids:
         try:
             procs.append(psutil.Process(pid))
         except psutil.Error:
             pass
-    return procs
+    end_processes(procs)
+    if tmp:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def end_orphans() -> int:
