@@ -2,6 +2,9 @@
 what differs (the fix held back for a second try). All on one process (the checkers build
 world-size-1 gas_lab engines)."""
 
+import tempfile
+from pathlib import Path
+
 import pytest
 from exercise_support import (
     assert_failed,
@@ -75,9 +78,15 @@ def test_rank_tokens_points_elsewhere():
 CASE_MID = "steps of 3, 1, 4, 2 micro-batches, saved mid step 2"
 
 
+def _checkpoints_left() -> set[Path]:
+    return set(Path(tempfile.gettempdir()).glob("lesson08_*"))
+
+
 def test_resume_solution_passes():
+    before = _checkpoints_left()
     verdict = check_resume_position(SOL.resume_position).raise_if_failed()
     assert verdict.cases_passed == verdict.cases_total == 3
+    assert _checkpoints_left() == before  # each case's checkpoint folder is removed
 
 
 def test_resume_todo():
@@ -133,8 +142,10 @@ CASE_3 = "ragged updates, saved after 3"
 
 
 def test_token_count_solution_passes():
+    before = _checkpoints_left()
     verdict = check_token_count(SOL.token_count).raise_if_failed()
     assert verdict.cases_passed == verdict.cases_total == 2
+    assert _checkpoints_left() == before
 
 
 def test_token_count_todo():

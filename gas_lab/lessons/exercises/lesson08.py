@@ -135,10 +135,10 @@ def _resume_case(fn: Callable, sizes: list[int], save_after: int) -> Callable[[]
         _train(reference, stream, sizes)
         saver, *_ = initialize(model=tiny_model(0), config=CONFIG)
         _train(saver, stream, sizes, stop=save_after)
-        folder = tempfile.mkdtemp(prefix="lesson08_")
-        saver.save_checkpoint(folder)
-        fresh, *_ = initialize(model=tiny_model(1), config=CONFIG)
-        fresh.load_checkpoint(folder)
+        with tempfile.TemporaryDirectory(prefix="lesson08_") as folder:
+            saver.save_checkpoint(folder)
+            fresh, *_ = initialize(model=tiny_model(1), config=CONFIG)
+            fresh.load_checkpoint(folder)
         steps = fresh.global_steps
         start = fn(steps, list(sizes))
         if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start < len(stream):
@@ -240,10 +240,10 @@ def _scenario(fn: Callable, tokens: list[int], per_update: float, save_after: in
     want = _clocked(whole, tokens, per_update)[save_after:]
     saver, *_ = initialize(model=tiny_model(0), config=config)
     _clocked(saver, tokens[:save_after], per_update)
-    folder = tempfile.mkdtemp(prefix="lesson08_clock_")
-    saver.save_checkpoint(folder)
-    fresh, *_ = initialize(model=tiny_model(1), config=config)
-    fresh.load_checkpoint(folder)
+    with tempfile.TemporaryDirectory(prefix="lesson08_clock_") as folder:
+        saver.save_checkpoint(folder)
+        fresh, *_ = initialize(model=tiny_model(1), config=config)
+        fresh.load_checkpoint(folder)
     lbi = fresh.lr_scheduler.last_batch_iteration
     candidates = {  # other numbers an engine holds after the load, scaled the clock's way
         "global_steps": fresh.global_steps * per_update,
