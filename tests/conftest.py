@@ -2,6 +2,7 @@
 ``fused`` is the same ranks with DeepSpeed's FusedAdam op built or loaded."""
 
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -14,8 +15,17 @@ def pytest_configure(config):
     folder, so a notebook run by the other worker is not "another notebook's ranks" here."""
     worker = os.environ.get("PYTEST_XDIST_WORKER")
     if worker:
-        os.environ["TMPDIR"] = tempfile.mkdtemp(prefix=f"gas_lab_{worker}_")
+        config._worker_tmp = tempfile.mkdtemp(prefix=f"gas_lab_{worker}_")
+        os.environ["TMPDIR"] = config._worker_tmp
         tempfile.tempdir = None  # gettempdir() reads TMPDIR again
+
+
+def pytest_unconfigure(config):
+    """A worker's folder goes with it (the caches and checkpoints its tests and notebooks left
+    there, about 1.6 MB a run); its ranks and kernels have ended by now."""
+    folder = getattr(config, "_worker_tmp", None)
+    if folder:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 # DeepSpeed's CPU op leaves one 66 MiB file per rank in /dev/shm under the `deepspeed` launcher
