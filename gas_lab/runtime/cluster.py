@@ -27,7 +27,6 @@ ends with the kernel, however the kernel ends (:mod:`~gas_lab.runtime.lifetime`)
 from __future__ import annotations
 
 import atexit
-import contextlib
 import os
 import tempfile
 import time
@@ -124,9 +123,6 @@ class Cluster:
         )
         infos = Call(self, futures, timeout=120, what="start-up", restart=False).result()
         self.watch.ranks_set_up([i["pid"] for i in infos])
-        for i in infos:  # a pid an earlier rank of this cluster had: its exit note is not theirs
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(os.path.join(self._tmp, f"exit-{i['pid']}"))
         self.startup_seconds = time.perf_counter() - t0
         return self
 

@@ -5,6 +5,7 @@ group is in step: ``cluster.watch``, a :class:`RankWatch`. Used by
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
 
@@ -43,6 +44,9 @@ class RankWatch:
     def ranks_set_up(self, pids: list[int]) -> None:
         """The ranks answered ``setup_rank``: ``pids`` are theirs, and they can be sampled."""
         self.pids, self.set_up = pids, True
+        for pid in pids:  # a pid an earlier rank of this cluster had: its exit note is not theirs
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(self.folder, f"exit-{pid}"))
 
     def process_output(self) -> dict[str, int]:
         """The files the rank processes' own output goes to (below Python's ``print``: what a
