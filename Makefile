@@ -22,7 +22,7 @@ export DS_ACCELERATOR ?= cpu
 # picks the same folder (gas_lab/runtime/build_lock.py), for what make does not start.
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/$(VENV)/torch_extensions
 
-.PHONY: install ops lab test unit notebooks lint course docs bench gpu-check clean normalize
+.PHONY: install ops lab test unit notebooks lint course docs bench costs gpu-check clean normalize
 
 install: $(STAMP)
 
@@ -67,6 +67,13 @@ XDIST := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 test: lint ops  ## every test: unit + 2-rank, every notebook (nbmake), ruff, the docs site
 	rm -rf $(EXECUTED) && mkdir -p $(EXECUTED) && cp -r tutorials/. $(EXECUTED)/
 	GAS_LAB_BUILD_SITE=1 $(PYTEST) $(XDIST) tests $(EXECUTED) --nbmake --nbmake-timeout=600 --overwrite --durations=12
+
+# What each claim costs: every file of `make test` alone (the docs site last, on the executed
+# notebooks), its wall seconds and the CPU-seconds the machine spent meanwhile; about 30 minutes
+# on 2 cores. Run it idle, beside `make bench`, before deciding what the suite keeps.
+costs: ops  ## each test file and notebook alone: wall and CPU seconds, most CPU first
+	rm -rf $(EXECUTED) && mkdir -p $(EXECUTED) && cp -r tutorials/. $(EXECUTED)/
+	$(BIN)/python tools/file_costs.py --json build/costs.json $(filter-out tests/test_docs_site.py,$(wildcard tests/test_*.py)) $(patsubst tutorials/%,$(EXECUTED)/%,$(wildcard tutorials/*.ipynb)) tests/test_docs_site.py
 
 unit: ops
 	$(PYTEST) -m "not docs" tests
