@@ -13,6 +13,8 @@ PYTEST := $(BIN)/python -m pytest -p no:cacheprovider
 # Executed copies of the notebooks: nbmake writes them, the docs site renders them (no
 # second execution), and instructors can read them.
 EXECUTED := build/notebooks
+# Every run that executes notebooks starts from fresh copies of tutorials/.
+FRESH_COPIES = rm -rf $(EXECUTED) && mkdir -p $(EXECUTED) && cp -r tutorials/. $(EXECUTED)/
 # JupyterLab refuses to run as root (containers, CI boxes) unless told it is deliberate.
 ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root)
 # DeepSpeed without a GPU uses its CPU accelerator.
@@ -65,21 +67,21 @@ TEST_WORKERS ?= 3
 XDIST := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 test: lint ops  ## every test: unit + 2-rank, every notebook (nbmake), ruff, the docs site
-	rm -rf $(EXECUTED) && mkdir -p $(EXECUTED) && cp -r tutorials/. $(EXECUTED)/
+	$(FRESH_COPIES)
 	GAS_LAB_BUILD_SITE=1 $(PYTEST) $(XDIST) tests $(EXECUTED) --nbmake --nbmake-timeout=600 --overwrite --durations=12
 
 # What each claim costs: every file of `make test` alone (the docs site last, on the executed
 # notebooks), its wall seconds and the CPU-seconds the machine spent meanwhile; about 30 minutes
 # on 2 cores. Run it idle, beside `make bench`, before deciding what the suite keeps.
 costs: ops  ## each test file and notebook alone: wall and CPU seconds, most CPU first
-	rm -rf $(EXECUTED) && mkdir -p $(EXECUTED) && cp -r tutorials/. $(EXECUTED)/
+	$(FRESH_COPIES)
 	$(BIN)/python tools/file_costs.py --json build/costs.json $(filter-out tests/test_docs_site.py,$(wildcard tests/test_*.py)) $(patsubst tutorials/%,$(EXECUTED)/%,$(wildcard tutorials/*.ipynb)) tests/test_docs_site.py
 
 unit: ops
 	$(PYTEST) -m "not docs" tests
 
 notebooks: ops  ## execute every notebook under nbmake, keeping the executed copies
-	rm -rf $(EXECUTED) && mkdir -p $(EXECUTED) && cp -r tutorials/. $(EXECUTED)/
+	$(FRESH_COPIES)
 	$(PYTEST) $(EXECUTED) --nbmake --nbmake-timeout=600 --overwrite
 
 normalize: $(STAMP)  ## rewrite every notebook in the form JupyterLab saves (else it opens modified)

@@ -1,5 +1,6 @@
 """`make costs` (tools/file_costs.py): each test file alone, its wall and the machine's CPU."""
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -26,7 +27,7 @@ def test_each_file_gets_its_result_and_a_failure_fails_the_run(tmp_path, capsys)
     bad.write_text("def test_a():\n    pass\n\ndef test_c():\n    assert 1 == 2\n")
     out = tmp_path / "costs.json"
     assert file_costs.main([str(good), str(bad), "--json", str(out)]) == 1
-    rows = {Path(r["target"]).name: r for r in file_costs.json.loads(out.read_text())}
+    rows = {Path(r["target"]).name: r for r in json.loads(out.read_text())}
     assert (rows["test_good.py"]["exit"], rows["test_good.py"]["passed"]) == (0, 2)
     assert (rows["test_bad.py"]["exit"], rows["test_bad.py"]["passed"]) == (1, 1)
     assert "1 failed, 1 passed" in rows["test_bad.py"]["summary"]
